@@ -1,0 +1,101 @@
+"""One transformer layer (attention then MLP) under any of the five residual modes.
+
+The layer carries `DepthState`: the additive stream h, and for routed modes the
+source buffer with each slot's cached 1/rms. For sublayer j:
+
+    x_j = h_j                          baseline, or a sublayer with one source (additive)
+    x_j = route(S_j)                   full_attnres, block_attnres  (replacement)
+    x_j = h_j + route(S_j)             delta, delta_block           (additive)
+    v_j = f_j(x_j);  h_{j+1} = h_j + v_j;  slot write[j] += v_j
+
+The two Kimi modes and the two Delta modes differ only in `replaces_stream`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from deltares import routing
+from deltares.config import dtype_of
+from deltares.layers import MLP, Attention, DepthRouter, RMSNorm
+from deltares.residual import ResidualPlan, plan_for
+
+
+class DepthState(NamedTuple):
+    h_BTD: jax.Array  # additive stream e + sum of deltas so far
+    sources_SBTD: jax.Array | None  # source buffer (None in baseline)
+    inv_rms_SBT: jax.Array | None  # float32 1/rms of every slot
+
+
+def init_depth_state(e_BTD, plan: ResidualPlan, eps: float) -> DepthState:
+    """Stream = e; slot 0 of the buffer holds e, all other slots are zero."""
+    if not plan.uses_sources:
+        return DepthState(e_BTD, None, None)
+    sources = jnp.zeros((plan.n_slots,) + e_BTD.shape, e_BTD.dtype).at[0].set(e_BTD)
+    inv = jnp.zeros((plan.n_slots,) + e_BTD.shape[:2], jnp.float32).at[0].set(routing.inv_rms(e_BTD, eps))
+    return DepthState(e_BTD, sources, inv)
+
+
+def routing_stats(weights_SBT, routed):
+    """Mean weight per slot [S], mean max weight and mean entropy; zeros when not routed."""
+    scale = routed.astype(jnp.float32)
+    entropy_BT = -jnp.sum(jnp.where(weights_SBT > 0, weights_SBT * jnp.log(weights_SBT), 0.0), axis=0)
+    return dict(
+        weights=weights_SBT.mean(axis=(1, 2)) * scale,
+        max_weight=weights_SBT.max(axis=0).mean() * scale,
+        entropy=entropy_BT.mean() * scale,
+    )
+
+
+def empty_stats(n_slots: int):
+    return dict(weights=jnp.zeros((n_slots,), jnp.float32), max_weight=jnp.float32(0), entropy=jnp.float32(0))
+
+
+class DecoderLayer(nn.Module):
+    """Layer `l` of a Transformer with config `config` (a `config.model`)."""
+
+    config: Any
+    return_stats: bool = False
+
+    def _sublayer(self, j, state: DepthState, plan: ResidualPlan, router: str, body):
+        """Runs sublayer j on `state`; returns the new state and its routing stats."""
+        cfg = self.config
+        norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
+        if plan.uses_sources:
+            valid_S = jnp.asarray(plan.read)[j]
+            routed = jnp.asarray(plan.routed)[j]
+            residual = None if plan.replaces_stream else state.h_BTD
+            x_BTD, weights_SBT = DepthRouter(name=f"{router}_router")(
+                state.sources_SBTD, state.inv_rms_SBT, valid_S, residual
+            )
+            if residual is not None:  # single source: no routing, x = h (DESIGN.md section 3)
+                x_BTD = jnp.where(routed, x_BTD, state.h_BTD)
+            stats = routing_stats(weights_SBT, routed) if self.return_stats else None
+        else:
+            x_BTD, stats = state.h_BTD, (empty_stats(plan.n_slots) if self.return_stats else None)
+        v_BTD = body(norm(x_BTD)).astype(state.h_BTD.dtype)
+        h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, ("batch", "length", "embed"))
+        if not plan.uses_sources:
+            return DepthState(h_BTD, None, None), stats
+        slot = jnp.asarray(plan.write)[j]
+        slot_BTD = state.sources_SBTD[slot] + v_BTD
+        sources = state.sources_SBTD.at[slot].set(slot_BTD)
+        inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, cfg.norm_eps))
+        return DepthState(h_BTD, sources, inv), stats
+
+    @nn.compact
+    def __call__(self, state: DepthState, layer, cos_TH, sin_TH):
+        cfg = self.config
+        plan = plan_for(cfg)
+        dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+        attn = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, dtype, param_dtype, name="attn")
+        mlp = MLP(cfg.d_ff, dtype, param_dtype, name="mlp")
+        state, attn_stats = self._sublayer(2 * layer, state, plan, "attn", lambda x: attn(x, cos_TH, sin_TH))
+        state, mlp_stats = self._sublayer(2 * layer + 1, state, plan, "mlp", mlp)
+        if not self.return_stats:
+            return state, None
+        return state, jax.tree.map(lambda a, b: jnp.stack([a, b]), attn_stats, mlp_stats)

@@ -1,0 +1,121 @@
+"""Qwen3 building blocks as Flax linen modules, with logical axis names on every parameter.
+
+Logical names: `vocab, embed, heads, kv, head_dim, mlp, norm, layers`. Sharding
+maps them onto mesh axes through one rules table; here they are only labels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from deltares import routing
+
+Dtype = Any
+dense_init = nn.initializers.normal(stddev=0.02)
+
+
+def _param_init(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * scale, computed in float32, returned in `dtype`."""
+
+    eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", _param_init(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def rope_tables(positions_T, head_dim: int, theta: float):
+    """cos and sin [T, head_dim] of Qwen3's rotary embedding (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs_TH = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs_TH, freqs_TH], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BTNH, cos_TH, sin_TH):
+    x32 = x_BTNH.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos_TH[None, :, None, :] + rotated * sin_TH[None, :, None, :]
+    return out.astype(x_BTNH.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with per-head q/k RMSNorm and rotary embeddings."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTD, cos_TH, sin_TH):
+        D = x_BTD.shape[-1]
+        common = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False)
+
+        def proj(name, heads, names):
+            return nn.DenseGeneral((heads, self.head_dim), kernel_init=_param_init(dense_init, names), name=name, **common)
+
+        q_BTNH = proj("q_proj", self.n_heads, ("embed", "heads", "head_dim"))(x_BTD)
+        k_BTKH = proj("k_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
+        v_BTKH = proj("v_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
+        norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+        q_BTNH = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTNH), cos_TH, sin_TH)
+        k_BTKH = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKH), cos_TH, sin_TH)
+        q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "length", "heads", "head_dim"))
+        out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        return nn.DenseGeneral(
+            D,
+            axis=(-2, -1),
+            kernel_init=_param_init(dense_init, ("heads", "head_dim", "embed")),
+            name="o_proj",
+            **common,
+        )(out_BTNH)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    d_ff: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        D = x_BTD.shape[-1]
+        common = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False)
+        up_init = _param_init(dense_init, ("embed", "mlp"))
+        gate_BTF = nn.Dense(self.d_ff, kernel_init=up_init, name="gate_proj", **common)(x_BTD)
+        up_BTF = nn.Dense(self.d_ff, kernel_init=up_init, name="up_proj", **common)(x_BTD)
+        hidden_BTF = nn.with_logical_constraint(nn.silu(gate_BTF) * up_BTF, ("batch", "length", "mlp"))
+        return nn.Dense(D, kernel_init=_param_init(dense_init, ("mlp", "embed")), name="down_proj", **common)(hidden_BTF)
+
+
+class DepthRouter(nn.Module):
+    """One sublayer's routing parameters: pseudo-query w (zeros) and key-norm gain g (ones).
+
+    Called on a source buffer with its cached 1/rms and validity mask; returns
+    `(route, weights)`, or `(residual + route, weights)` for additive routing.
+    """
+
+    @nn.compact
+    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
+        D = sources_SBTD.shape[-1]
+        query = self.param("query", _param_init(nn.initializers.zeros, ("embed",)), (D,), jnp.float32)
+        gain = self.param("gain", _param_init(nn.initializers.ones, ("embed",)), (D,), jnp.float32)
+        return routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query, gain, residual_BTD)

@@ -1,0 +1,106 @@
+"""The deltares language model: a Qwen3-style decoder with a pluggable residual scheme.
+
+    e = Embed(tokens);  layers 0..L-1 (DecoderLayer, scanned or unrolled);
+    out = route([all sources]) for the Kimi modes, else h_2L;
+    logits = Head(RMSNorm(out))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from deltares.config import dtype_of, validate_model_config
+from deltares.decoder import DecoderLayer, init_depth_state
+from deltares.layers import DepthRouter, RMSNorm, _param_init, dense_init, rope_tables
+from deltares.residual import plan_for
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _frozen(cfg):
+    if isinstance(cfg, ml_collections.FrozenConfigDict):
+        return cfg
+    return ml_collections.FrozenConfigDict(cfg)
+
+
+class Transformer(nn.Module):
+    """Decoder LM built from `config.model`. Validates the config when constructed."""
+
+    config: Any
+
+    def __post_init__(self):
+        validate_model_config(self.config)
+        object.__setattr__(self, "config", _frozen(self.config))
+        super().__post_init__()
+
+    def _layer_class(self):
+        layer = DecoderLayer
+        if self.config.remat != "none":
+            layer = nn.remat(layer, prevent_cse=not self.config.scan_layers, policy=REMAT_POLICIES[self.config.remat])
+        return layer
+
+    @nn.compact
+    def __call__(self, tokens_BT, return_stats: bool = False):
+        cfg = self.config
+        dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+        plan = plan_for(cfg)
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            embedding_init=_param_init(dense_init, ("vocab", "embed")),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            name="embed",
+        )
+        e_BTD = nn.with_logical_constraint(embed(tokens_BT), ("batch", "length", "embed"))
+        cos_TH, sin_TH = rope_tables(jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
+        state = init_depth_state(e_BTD, plan, cfg.norm_eps)
+        layer_cls = self._layer_class()
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                layer_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast),
+                length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            state, stats = scanned(cfg, return_stats, name="layers")(state, jnp.arange(cfg.n_layers), cos_TH, sin_TH)
+        else:
+            per_layer = []
+            for layer in range(cfg.n_layers):
+                state, layer_stats = layer_cls(cfg, return_stats, name=f"layers_{layer}")(state, layer, cos_TH, sin_TH)
+                per_layer.append(layer_stats)
+            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if return_stats else None
+
+        if plan.replaces_stream:
+            out_BTD, _ = DepthRouter(name="final_router")(state.sources_SBTD, state.inv_rms_SBT, plan.final_read)
+        else:
+            out_BTD = state.h_BTD
+        x_BTD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(out_BTD)
+        if cfg.tie_embeddings:
+            logits_BTV = embed.attend(x_BTD)
+        else:
+            logits_BTV = nn.DenseGeneral(
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=_param_init(dense_init, ("embed", "vocab")),
+                name="lm_head",
+            )(x_BTD)
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if not return_stats:
+            return logits_BTV
+        n_sub = 2 * cfg.n_layers
+        stats = {k: v.reshape((n_sub,) + v.shape[2:]) for k, v in stats.items()}
+        stats["n_sources"] = jnp.asarray(plan.n_sources)
+        return logits_BTV, stats

@@ -1,0 +1,91 @@
+"""The five residual modes as a static plan over a fixed-shape source buffer.
+
+The model keeps its depth sources in one buffer of `n_slots` slots, each [B, T, D]:
+
+- per-sublayer modes (`full_attnres`, `delta`): slot 0 holds the embedding e and
+  slot j+1 the delta v_j of sublayer j, so sublayer j reads slots 0..j;
+- block modes (`block_attnres`, `delta_block`): slot 0 holds e and slot n+1 the
+  sum of the deltas of block n: the partial p_j while block n runs, c_n once it
+  is complete. Sublayer j of block n reads slots 0..n, plus the partial slot
+  n+1 unless j opens the block (or `include_partial` is off).
+
+Every sublayer adds its delta into its `write` slot. Which slots each sublayer
+reads is the table of DESIGN.md section 3, fixed at trace time, so one scanned
+layer body serves every depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from deltares.config import BLOCK_MODES, MODES, REPLACEMENT_MODES
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResidualPlan:
+    mode: str
+    n_layers: int
+    n_slots: int
+    read: np.ndarray  # [2L, n_slots] bool: slots sublayer j routes over
+    write: np.ndarray  # [2L] int: slot that receives sublayer j's delta
+    final_read: np.ndarray  # [n_slots] bool: slots of the Kimi modes' output routing
+
+    @property
+    def n_sources(self) -> np.ndarray:
+        """[2L] number of sources each sublayer sees (0 in baseline)."""
+        return self.read.sum(axis=1).astype(np.int32)
+
+    @property
+    def routed(self) -> np.ndarray:
+        """[2L] whether sublayer j routes: more than one source (softmax over one is constant)."""
+        return self.n_sources > 1
+
+    @property
+    def uses_sources(self) -> bool:
+        return self.mode != "baseline"
+
+    @property
+    def replaces_stream(self) -> bool:
+        """Kimi modes: the routed value replaces the stream as the sublayer input."""
+        return self.mode in REPLACEMENT_MODES
+
+
+def n_blocks(n_layers: int, block_layers: int) -> int:
+    return math.ceil(n_layers / block_layers)
+
+
+def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: bool = True) -> ResidualPlan:
+    """The source table of DESIGN.md section 3 for one mode and depth."""
+    if mode not in MODES:
+        raise ValueError(f"unknown residual mode {mode!r}; allowed: {', '.join(MODES)}")
+    n_sub = 2 * n_layers
+    if mode == "baseline":
+        n_slots = 1
+        read = np.zeros((n_sub, n_slots), bool)
+        write = np.zeros(n_sub, np.int32)
+    elif mode in BLOCK_MODES:
+        n_slots = n_blocks(n_layers, block_layers) + 1
+        read = np.zeros((n_sub, n_slots), bool)
+        write = np.zeros(n_sub, np.int32)
+        for j in range(n_sub):
+            layer = j // 2
+            block = layer // block_layers
+            opens_block = j == 2 * block * block_layers
+            read[j, : block + 1] = True
+            if include_partial and not opens_block:
+                read[j, block + 1] = True
+            write[j] = block + 1
+    else:
+        n_slots = n_sub + 1
+        read = np.tril(np.ones((n_sub, n_slots), bool))
+        write = np.arange(1, n_sub + 1, dtype=np.int32)
+    final_read = np.ones(n_slots, bool) if mode in REPLACEMENT_MODES else np.zeros(n_slots, bool)
+    return ResidualPlan(mode, n_layers, n_slots, read, write, final_read)
+
+
+def plan_for(model_cfg) -> ResidualPlan:
+    res = model_cfg.residual
+    return make_plan(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial)

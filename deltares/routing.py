@@ -1,0 +1,63 @@
+"""Depth routing: a softmax over earlier sources with an input-independent query.
+
+    z_i = w . RMSNorm_g(s_i)        a = softmax_i(z)        route(S) = sum_i a_i s_i
+
+`depth_route` is the public, pure-jnp reference (the oracle for fused kernels).
+`route_normalized` is the same math given each source's precomputed 1/rms, which
+the model caches once per source instead of renormalising it at every reader.
+Keys, logits and softmax are float32; the output has the sources' dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def inv_rms(x_BTD: Array, eps: float = 1e-6) -> Array:
+    """1 / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+    x32 = x_BTD.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
+
+
+def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None):
+    """Routing given per-source 1/rms. Returns (out_BTD, weights_SBT)."""
+    S, B, T, _ = sources_SBTD.shape
+    qg_D = query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
+    logits_SBT = jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(jnp.float32), qg_D) * inv_rms_SBT
+    valid_SBT = jnp.broadcast_to(jnp.asarray(valid, bool).reshape(_mask_shape(valid, S)), (S, B, T))
+    logits_SBT = jnp.where(valid_SBT, logits_SBT, -jnp.inf)
+    weights_SBT = jax.nn.softmax(logits_SBT, axis=0)
+    out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
+    if residual_BTD is not None:
+        out_BTD = residual_BTD.astype(jnp.float32) + out_BTD
+    return out_BTD.astype(sources_SBTD.dtype), weights_SBT
+
+
+def _mask_shape(valid, S: int):
+    shape = jnp.shape(valid)
+    if shape and shape[0] != S:
+        raise ValueError(f"valid has leading size {shape[0]}, expected the number of sources {S}")
+    return shape + (1,) * (3 - len(shape))
+
+
+def depth_route(sources, valid, query, gain, residual=None, *, eps=1e-6, return_weights=False):
+    """Route over `sources` [S, B, T, D] with pseudo-query `query` and key-norm gain `gain` [D].
+
+    `valid` is [S] bool or broadcastable to [S, B, T]; at least one source must be
+    valid per token. With `residual` [B, T, D] the result is `residual + route(S)`
+    (additive routing, the Delta modes), otherwise `route(S)` (replacement, Kimi).
+    With `return_weights` also returns the softmax weights [S, B, T] (float32).
+    """
+    if sources.ndim != 4:
+        raise ValueError(f"sources must be [S, B, T, D], got shape {sources.shape}")
+    D = sources.shape[-1]
+    for name, vec in (("query", query), ("gain", gain)):
+        if jnp.shape(vec) != (D,):
+            raise ValueError(f"{name} must have shape ({D},), got {jnp.shape(vec)}")
+    if residual is not None and jnp.shape(residual) != sources.shape[1:]:
+        raise ValueError(f"residual must have shape {sources.shape[1:]}, got {jnp.shape(residual)}")
+    out, weights = route_normalized(sources, inv_rms(sources, eps), valid, query, gain, residual)
+    return (out, weights) if return_weights else out

@@ -1,0 +1,90 @@
+"""Checkpoints with orbax: train state, data-iterator state and config in one step directory.
+
+`<workdir>/checkpoints/<step>/{state,data,config}`; saves are asynchronous and
+atomic (orbax writes a temporary directory and renames it when complete), so an
+interrupted or failed save leaves the previous checkpoint usable. Keeps the last
+`keep_last` checkpoints plus every step that is a multiple of `keep_every`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+
+class Checkpointer:
+    def __init__(self, workdir: str, keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
+        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep_last,
+            keep_period=keep_every or None,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, data_state: dict, config: dict) -> None:
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state),
+                config=ocp.args.JsonSave(config),
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int, abstract_state):
+        """(state, data_state) of `step`, with `abstract_state`'s structure, shapes and shardings."""
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
+        )
+        return out.state, out.data
+
+    def config(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def find_checkpoint(path: str) -> tuple[str, int]:
+    """(checkpoints directory, step) for a workdir, its `checkpoints/` directory, or one step directory."""
+    path = os.path.abspath(path)
+    if os.path.isdir(os.path.join(path, "state")) and os.path.basename(path).isdigit():
+        return os.path.dirname(path), int(os.path.basename(path))
+    directory = path if os.path.basename(path) == "checkpoints" else os.path.join(path, "checkpoints")
+    steps = ocp.utils.checkpoint_steps(epath.Path(directory)) if os.path.isdir(directory) else []
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {path}")
+    return directory, max(steps)
+
+
+class LoadedCheckpoint(NamedTuple):
+    config: dict
+    state: dict | None
+    step: int
+    workdir: str  # the run directory holding `checkpoints/`
+
+
+def load_checkpoint(path: str, want_state: bool = True) -> LoadedCheckpoint:
+    """The newest checkpoint under `path` (see `find_checkpoint`), arrays on the default device."""
+    directory, step = find_checkpoint(path)
+    step_dir = os.path.join(directory, str(step))
+    config = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_dir, "config"))
+    state = None
+    if want_state:
+        state = ocp.StandardCheckpointer().restore(os.path.join(step_dir, "state"))
+        state = jax.tree.map(jax.numpy.asarray, state)
+    return LoadedCheckpoint(config, state, step, os.path.dirname(directory))

@@ -1,0 +1,132 @@
+"""Tokenizers that need no network, named by a spec string.
+
+- `bytes`: UTF-8 bytes 0..255 and end-of-text 256 (vocabulary 257), for tests;
+- `gpt2`: the GPT-2 byte-level BPE shipped with deltares (vocabulary 50257);
+- `hf:PATH`: a Hugging Face `tokenizer.json`, or a model directory holding one
+  (the Qwen3 tokenizer loads this way);
+- `bpe:N`: a byte-level BPE of vocabulary N, trained on a corpus's training
+  split by `train_bpe` and stored beside the prepared data.
+
+Every tokenizer serialises to JSON (`to_json`) so a prepared dataset records
+exactly the tokenizer that made it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterable
+from importlib import resources
+
+import tokenizers
+
+EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>")
+_ASSETS = resources.files("deltares.data") / "assets"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes; id 256 is end-of-text."""
+
+    spec = "bytes"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def to_json(self) -> str | None:
+        return None
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` with its end-of-text id."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, spec: str):
+        self.tok = tok
+        self.spec = spec
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        ids = [tok.token_to_id(name) for name in EOS_NAMES]
+        ids = [i for i in ids if i is not None]
+        if not ids:
+            raise ValueError(f"tokenizer {spec!r} has none of the end-of-text tokens {EOS_NAMES}")
+        self.eos_id = ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self.tok.to_str()
+
+
+def _hf_file(path: str) -> str:
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no tokenizer.json at {path}")
+    return path
+
+
+def load_tokenizer(spec: str, tokenizer_json: str | None = None):
+    """The tokenizer named by `spec`; `tokenizer_json` (text) restores a trained `bpe:N`."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec == "gpt2":
+        with gzip.open(_ASSETS / "gpt2_tokenizer.json.gz", "rt", encoding="utf-8") as f:
+            return HFTokenizer(tokenizers.Tokenizer.from_str(f.read()), spec)
+    if spec.startswith("hf:"):
+        return HFTokenizer(tokenizers.Tokenizer.from_file(_hf_file(spec[3:])), spec)
+    if spec.startswith("bpe:"):
+        if tokenizer_json is None:
+            raise ValueError(f"tokenizer {spec!r} must be trained first (deltares.data.prepare does this)")
+        return HFTokenizer(tokenizers.Tokenizer.from_str(tokenizer_json), spec)
+    raise ValueError(f"unknown tokenizer {spec!r}; allowed: bytes, gpt2, hf:PATH, bpe:VOCAB")
+
+
+def bpe_vocab_size(spec: str) -> int:
+    try:
+        size = int(spec[4:])
+    except ValueError:
+        size = 0
+    if size < 300:
+        raise ValueError(f"tokenizer {spec!r}: bpe:N needs an integer N >= 300")
+    return size
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE of `vocab_size` (end-of-text included) trained on `texts`."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok, f"bpe:{vocab_size}")
+
+
+def tokenizer_from_meta(meta: dict, data_dir: str):
+    """The tokenizer a prepared dataset was made with."""
+    path = os.path.join(data_dir, "tokenizer.json")
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else None
+    if text is not None:
+        return HFTokenizer(tokenizers.Tokenizer.from_str(text), meta["tokenizer"])
+    return load_tokenizer(meta["tokenizer"])
+
+
+def dumps_meta(meta: dict) -> str:
+    return json.dumps(meta, indent=2, sort_keys=True)

@@ -1,0 +1,94 @@
+"""Pure training and evaluation steps: state in, state out.
+
+The train state is a dict `{step, params, opt_state}` of float32 master weights
+and optimizer state; the model computes in `config.model.dtype`. A batch is
+`[B, T + 1]` tokens: inputs are the first T, targets the last T.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from deltares.losses import lm_loss, token_nll
+from deltares.model import Transformer
+from deltares.optim import make_optimizer
+
+
+def abstract_params(model: Transformer, seq_len: int):
+    """Shapes (and logical names, boxed) of the parameters, without allocating them."""
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+
+def make_init(model: Transformer, tx: optax.GradientTransformation, seq_len: int):
+    """seed -> initial train state (to be jitted)."""
+
+    def init(seed):
+        params = model.init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
+        params = nn.meta.unbox(params)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    return init
+
+
+def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_batches: int = 1):
+    """(state, batch) -> (state, {loss, grad_norm}); with `micro_batches` > 1 the batch is
+    split and gradients are averaged over micro-batches (gradient accumulation)."""
+
+    def loss_fn(params, tokens_BT):
+        logits = model.apply({"params": params}, tokens_BT[:, :-1])
+        return lm_loss(logits, tokens_BT[:, 1:])
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def accumulate(params, tokens_BT):
+        if micro_batches == 1:
+            return grad_fn(params, tokens_BT)
+        micro_MBT = tokens_BT.reshape((micro_batches, -1) + tokens_BT.shape[1:])
+
+        def body(acc, micro_BT):
+            loss, grads = grad_fn(params, micro_BT)
+            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(body, zeros, micro_MBT)
+        return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+
+    def train_step(state, tokens_BT):
+        loss, grads = accumulate(state["params"], tokens_BT)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return train_step
+
+
+def make_eval_step(model: Transformer):
+    """(params, batch) -> (sum of token NLL, number of tokens)."""
+
+    def eval_step(params, tokens_BT):
+        nll_BT = token_nll(model.apply({"params": params}, tokens_BT[:, :-1]), tokens_BT[:, 1:])
+        return nll_BT.sum(), nll_BT.size
+
+    return eval_step
+
+
+def make_stats_step(model: Transformer):
+    """(params, batch) -> routing statistics of the batch (see Transformer)."""
+
+    def stats_step(params, tokens_BT):
+        return model.apply({"params": params}, tokens_BT[:, :-1], return_stats=True)[1]
+
+    return stats_step
+
+
+def build(cfg):
+    """Model, optimizer, learning-rate schedules and abstract params of an experiment config."""
+    model = Transformer(cfg.model)
+    params = nn.meta.unbox(abstract_params(model, cfg.data.seq_len))
+    tx, schedules = make_optimizer(cfg, params, scanned=cfg.model.scan_layers)
+    return model, tx, schedules

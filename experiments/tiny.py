@@ -1,0 +1,22 @@
+"""tiny: a 6-layer, d=256 model (about 5.8M parameters, 4096-token BPE) for a 2-core CPU.
+
+Delta Block defaults to 2 layers per block (3 blocks).
+
+Run: python -m deltares.bench_model --config experiments/tiny.py
+Paper: no counterpart; the smallest paper scale is 220M (experiments/s220m.py).
+"""
+
+from deltares.configs import experiment
+
+MODEL = dict(vocab_size=4096, d_model=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768, dtype="float32")
+
+
+RECIPE = dict(
+    data=dict(dataset="builtin", tokenizer="bpe:4096", seq_len=256),
+    train=dict(global_batch=8, steps=300, eval_every=100, eval_batches=20, checkpoint_every=100),
+    optim=dict(lr=3e-3, lr_min=3e-4, warmup_steps=30),
+)
+
+
+def get_config(arg="delta_block"):
+    return experiment("tiny", MODEL, arg, block_layers=2, recipe=RECIPE)

@@ -41,9 +41,11 @@ def init_depth_state(e_BTD, plan: ResidualPlan, eps: float) -> DepthState:
 
 
 def routing_stats(weights_SBT, routed):
-    """Mean weight per slot [S], mean max weight and mean entropy; zeros when not routed."""
+    """Mean weight per slot [S], mean max weight and mean entropy; zeros when not routed.
+    Diagnostics only: no gradient flows through them."""
+    weights_SBT = jax.lax.stop_gradient(weights_SBT)
     scale = routed.astype(jnp.float32)
-    entropy_BT = -jnp.sum(jnp.where(weights_SBT > 0, weights_SBT * jnp.log(weights_SBT), 0.0), axis=0)
+    entropy_BT = -jnp.sum(weights_SBT * jnp.log(jnp.where(weights_SBT > 0, weights_SBT, 1.0)), axis=0)
     return dict(
         weights=weights_SBT.mean(axis=(1, 2)) * scale,
         max_weight=weights_SBT.max(axis=0).mean() * scale,

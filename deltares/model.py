@@ -16,6 +16,7 @@ import ml_collections
 
 from deltares.config import dtype_of, validate_model_config
 from deltares.decoder import DecoderLayer, init_depth_state
+from deltares.depth import depth_scan
 from deltares.layers import DepthRouter, RMSNorm, _param_init, dense_init, rope_tables
 from deltares.residual import plan_for
 
@@ -41,6 +42,11 @@ class Transformer(nn.Module):
         object.__setattr__(self, "config", _frozen(self.config))
         super().__post_init__()
 
+    def _store_once(self, plan) -> bool:
+        """Routed modes under remat differentiate depth with `depth_scan` (sources stored once);
+        initialisation always goes through nn.scan, which creates the stacked parameters."""
+        return plan.uses_sources and self.config.remat != "none" and not self.is_initializing()
+
     def _layer_class(self):
         layer = DecoderLayer
         if self.config.remat != "none":
@@ -64,7 +70,15 @@ class Transformer(nn.Module):
         cos_TH, sin_TH = rope_tables(jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps)
         layer_cls = self._layer_class()
-        if cfg.scan_layers:
+        if cfg.scan_layers and self._store_once(plan):
+            layer = DecoderLayer(cfg, return_stats, parent=None)
+
+            def layer_fn(params_l, state, index):
+                return layer.apply({"params": params_l}, state, index, cos_TH, sin_TH)
+
+            params_L = nn.meta.unbox(self.variables["params"]["layers"])
+            state, stats = depth_scan(layer_fn, params_L, state, plan)
+        elif cfg.scan_layers:
             scanned = nn.scan(
                 layer_cls,
                 variable_axes={"params": 0},

@@ -13,7 +13,7 @@ import ml_collections
 MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")
 BLOCK_MODES = ("block_attnres", "delta_block")
 REPLACEMENT_MODES = ("full_attnres", "block_attnres")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots")
 ROUTING_IMPLS = ("xla",)
 
@@ -59,6 +59,10 @@ def validate_model_config(cfg) -> None:
             _fail(field, value, "must be a positive integer")
     if cfg.n_heads % cfg.n_kv_heads:
         _fail("n_kv_heads", cfg.n_kv_heads, f"must divide n_heads={cfg.n_heads}")
+    for field in ("tie_embeddings", "scan_layers", "residual.include_partial"):
+        value = cfg.residual.include_partial if field.startswith("residual.") else cfg[field]
+        if not isinstance(value, bool):
+            _fail(field, value, "must be true or false")
     for field in ("rope_theta", "norm_eps"):
         if not cfg[field] > 0:
             _fail(field, cfg[field], "must be positive")

@@ -1,4 +1,4 @@
-"""debug: a 3-layer toy model for tests (about 40K parameters, byte vocabulary).
+"""debug: a 3-layer toy model for tests (about 46K parameters, byte vocabulary).
 
 `block_layers=2` on 3 layers, so the last block is shorter: every test of the
 block modes sees an uneven split.

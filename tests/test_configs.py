@@ -1,0 +1,169 @@
+"""Experiment configs: every `experiments/<scale>.py` builds for every mode, the paper scales
+have the sizes of DESIGN.md section 4, and variant strings parse (or fail) as documented."""
+
+import importlib.util
+import math
+import os
+import re
+
+import flax
+import jax
+import jax.numpy as jnp
+import pytest
+
+from deltares.configs import parse_variant
+from deltares.model import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCALES = ["debug", "tiny", "s220m", "s533m", "s1044m", "qwen3_0p6b", "s7b6"]
+MODES = ["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]
+
+# DESIGN.md section 4: (d, L, heads, kv, head_dim, ffn, params in millions; vocab 151936, tied).
+DESIGN_TABLE = {
+    "s220m": (768, 12, 12, 4, 64, 3072, 220.5),
+    "s533m": (1024, 24, 16, 8, 64, 4096, 533.1),
+    "s1044m": (1280, 36, 20, 4, 64, 5120, 1043.9),
+    "qwen3_0p6b": (1024, 28, 16, 8, 128, 3072, 596.0),
+    "s7b6": (4096, 36, 32, 8, 128, 12288, 7568.4),
+}
+
+
+def load(scale):
+    path = os.path.join(ROOT, "experiments", f"{scale}.py")
+    spec = importlib.util.spec_from_file_location(f"experiments_{scale}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def param_shapes(model_cfg):
+    shapes = jax.eval_shape(Transformer(model_cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    return flax.linen.meta.unbox(shapes)["params"]
+
+
+def count(tree):
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def expected_count(m, mode):
+    """Qwen3 parameter count from the architecture alone (no model code)."""
+    d, L, N, K, H, F, V = m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
+    per_layer = d * N * H + 2 * d * K * H + N * H * d  # q, k, v, o
+    per_layer += 3 * d * F  # gate, up, down
+    per_layer += 2 * d + 2 * H  # attn/mlp pre-norms, q/k head norms
+    total = V * d + L * per_layer + d  # embedding (tied head) and final norm
+    if not m.tie_embeddings:
+        total += V * d
+    if mode != "baseline":
+        total += L * 4 * d  # (w, g) per sublayer
+    if mode in ("full_attnres", "block_attnres"):
+        total += 2 * d  # final router
+    return total
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_every_experiment_builds(scale, mode):
+    cfg = load(scale).get_config(mode)
+    assert cfg.model.residual.mode == mode
+    params = param_shapes(cfg.model)
+    assert count(params) == expected_count(cfg.model, mode)
+    assert params["embed"]["embedding"].shape == (cfg.model.vocab_size, cfg.model.d_model)
+    if cfg.model.scan_layers:
+        assert params["layers"]["attn"]["q_proj"]["kernel"].shape[0] == cfg.model.n_layers
+
+
+@pytest.mark.parametrize("scale", sorted(DESIGN_TABLE))
+def test_paper_scales_match_design_table(scale):
+    d, L, N, K, H, F, millions = DESIGN_TABLE[scale]
+    for mode in MODES:
+        m = load(scale).get_config(mode).model
+        assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff) == (d, L, N, K, H, F)
+        assert m.vocab_size == 151936 and m.tie_embeddings
+        n = count(param_shapes(m)) / 1e6
+        assert abs(n - millions) / millions < 0.005, f"{scale} {mode}: {n:.1f}M vs {millions}M"
+        if mode == "baseline":  # the table's figure is the baseline model, to its printed precision
+            assert abs(n - millions) < 0.05 + 1e-9, f"{scale}: {n:.2f}M vs {millions}M"
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_default_variant_and_documented_block_size(scale):
+    module = load(scale)
+    cfg = module.get_config()
+    assert cfg.model.residual.mode == "delta_block"
+    assert cfg.model.residual.include_partial is True
+    match = re.search(r"(\d+) layers per block", module.__doc__ or "")
+    if match:  # the docstring promises the default block size
+        assert cfg.model.residual.block_layers == int(match.group(1))
+    assert 1 <= cfg.model.residual.block_layers <= cfg.model.n_layers
+
+
+def test_variant_sets_block_layers():
+    assert parse_variant("delta_block,block_layers=4") == {"mode": "delta_block", "block_layers": 4}
+    for scale in ("s220m", "tiny", "s7b6"):
+        cfg = load(scale).get_config("delta_block,block_layers=4")
+        assert cfg.model.residual.mode == "delta_block"
+        assert cfg.model.residual.block_layers == 4
+    cfg = load("s220m").get_config(" block_attnres , block_layers = 3 ")
+    assert (cfg.model.residual.mode, cfg.model.residual.block_layers) == ("block_attnres", 3)
+
+
+@pytest.mark.parametrize(
+    "arg,expected",
+    [
+        ("delta", {"mode": "delta"}),
+        ("baseline", {"mode": "baseline"}),
+        ("", {"mode": "delta_block"}),
+        (None, {"mode": "delta_block"}),
+        ("block_layers=6", {"mode": "delta_block", "block_layers": 6}),
+        ("full_attnres,include_partial=false", {"mode": "full_attnres", "include_partial": False}),
+        ("delta_block,include_partial=True,block_layers=1",
+         {"mode": "delta_block", "include_partial": True, "block_layers": 1}),
+    ],
+)
+def test_parse_variant(arg, expected):
+    assert parse_variant(arg) == expected
+
+
+def test_include_partial_variant_reaches_model():
+    cfg = load("debug").get_config("block_attnres,include_partial=false")
+    assert cfg.model.residual.include_partial is False
+    # include_partial changes which sources are read, not which parameters exist.
+    assert count(param_shapes(cfg.model)) == expected_count(cfg.model, "block_attnres")
+
+
+@pytest.mark.parametrize(
+    "arg,problem",
+    [
+        ("deltablock", "deltablock"),
+        ("Delta", "Delta"),
+        ("delta_block,block_size=4", "block_size"),
+        ("delta_block,4", "4"),
+        ("delta_block,block_layers=four", "block_layers"),
+        ("delta_block,include_partial=maybe", "include_partial"),
+        ("delta_block,block_layers=0", "block_layers"),
+        ("delta_block,block_layers=-2", "block_layers"),
+        ("delta_block,block_layers=13", "block_layers"),  # s220m has 12 layers
+        ("block_attnres,block_layers=100", "block_layers"),
+    ],
+)
+def test_bad_variants_raise(arg, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        load("s220m").get_config(arg)
+
+
+@pytest.mark.parametrize(
+    "arg,problem",
+    [("deltablock", "deltablock"), ("delta_block,foo=1", "foo"), ("delta_block,=3", "="),
+     ("delta_block,include_partial=2", "include_partial"), ("delta_block,block_layers=2.5", "block_layers")],
+)
+def test_parse_variant_rejects_bad_arguments_itself(arg, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_variant(arg)
+
+
+def test_block_layers_equal_to_depth_is_allowed():
+    cfg = load("s220m").get_config("delta_block,block_layers=12")
+    assert cfg.model.residual.block_layers == 12
+    with pytest.raises(ValueError, match="block_layers"):
+        load("debug").get_config("delta_block,block_layers=4")  # debug has 3 layers

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 
@@ -40,6 +41,21 @@ class Checkpointer:
             ),
             force=True,
         )
+
+    def check_params(self, step: int, abstract_params) -> None:
+        """Raises ValueError naming the first parameter whose stored shape differs (or is missing)."""
+        path = os.path.join(self.directory, str(step), "state")
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity(logging.ERROR)  # orbax warns that the step-level metadata file is elsewhere
+        try:
+            stored = ocp.StandardCheckpointer().metadata(path).item_metadata["params"]
+        finally:
+            logging.set_verbosity(verbosity)
+        stored = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
+        for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+            name = jax.tree_util.keystr(key)
+            if stored.get(name) != tuple(leaf.shape):
+                raise ValueError(f"parameter {name}: checkpoint has {stored.get(name, 'none')}, config needs {leaf.shape}")
 
     def restore(self, step: int, abstract_state):
         """(state, data_state) of `step`, with `abstract_state`'s structure, shapes and shardings."""

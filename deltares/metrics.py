@@ -72,8 +72,14 @@ class MetricsWriter:
         """Drops records logged after the checkpoint a run resumes from."""
         if not os.path.exists(self.path):
             return
+        kept = []
         with open(self.path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except (ValueError, KeyError):  # a line cut short by a crash
+                    continue
         with open(self.path, "w") as f:
             f.writelines(kept)
 

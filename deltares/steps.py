@@ -62,7 +62,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return train_step
 

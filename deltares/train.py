@@ -155,8 +155,17 @@ def train(cfg, workdir: str) -> dict:
     os.makedirs(workdir, exist_ok=True)
     data = open_dataset(cfg, workdir)
     t = cfg.train
-    model, tx, schedules = build(cfg)
     ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
+    try:
+        return _train(cfg, workdir, data, ckpt)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+
+
+def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
+    t = cfg.train
+    model, tx, schedules = build(cfg)
     start = ckpt.latest_step()
 
     train_ds = train_dataset(
@@ -174,13 +183,19 @@ def train(cfg, workdir: str) -> dict:
         start = 0
     else:
         _check_resumable(ckpt.config(start), cfg, workdir)
-        state, data_state = ckpt.restore(start, jax.eval_shape(init, cfg.seed))
+        abstract_state = jax.eval_shape(init, cfg.seed)
+        try:
+            ckpt.check_params(start, abstract_state["params"])
+        except ValueError as err:
+            raise TrainError(f"cannot restore step {start} of {ckpt.directory} into this config: {err}") from None
+        state, data_state = ckpt.restore(start, abstract_state)
         data_iter.set_state(data_state)
         say(f"resumed {workdir} from step {start}")
 
     train_step = jax.jit(make_train_step(model, tx, t.micro_batches), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(model))
     stats_step = jax.jit(make_stats_step(model))
+    all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     writer = MetricsWriter(workdir, resume_step=start)
     tokens_per_step = t.global_batch * cfg.data.seq_len
     flops_per_step = model_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
@@ -206,14 +221,18 @@ def train(cfg, workdir: str) -> dict:
                 jax.block_until_ready(out)
                 timed, window_start = -1, time.perf_counter()
             timed += 1
-            boundary = step % t.log_every == 0 or step == t.steps or stop.signal
-            save_now = step % t.checkpoint_every == 0 or step == t.steps or stop.signal
+            stopping = stop.signal  # read once: a signal arriving later in this step is handled next step
+            boundary = step % t.log_every == 0 or step == t.steps or stopping
+            save_now = step % t.checkpoint_every == 0 or step == t.steps or stopping
             if boundary or save_now:
                 losses = [float(o["loss"]) for _, o in pending]
-                bad = [s for (s, _), loss in zip(pending, losses) if not math.isfinite(loss)]
+                norms = [float(o["grad_norm"]) for _, o in pending]
+                bad = [s for (s, _), loss, norm in zip(pending, losses, norms) if not math.isfinite(loss + norm)]
+                if not bad and save_now and not bool(all_finite(state["params"])):
+                    bad = [step]
                 if bad:
                     raise TrainError(
-                        f"non-finite loss at step {bad[0]}; stopped. The last good checkpoint is step "
+                        f"non-finite loss or parameters at step {bad[0]}; stopped. The last good checkpoint is step "
                         f"{ckpt.latest_step()} in {ckpt.directory}"
                     )
                 elapsed = time.perf_counter() - window_start
@@ -221,8 +240,8 @@ def train(cfg, workdir: str) -> dict:
                 record = {
                     "loss": losses[-1],
                     "loss_mean": float(np.mean(losses)),
-                    "lr": float(schedules["model"](step)),
-                    "grad_norm": float(out["grad_norm"]),
+                    "lr": float(schedules["model"](step - 1)),  # the rate this step's update used
+                    "grad_norm": norms[-1],
                     "tokens_per_s": tokens_per_step / step_time,
                     "step_time_s": step_time,
                     "mfu": flops_per_step / step_time / peak,
@@ -242,18 +261,16 @@ def train(cfg, workdir: str) -> dict:
                 save(step)
             if boundary or save_now:
                 timed, window_start = 0, time.perf_counter()
-            if stop.signal:
+            if stopping:
                 ckpt.wait()
                 bar.close()
-                print(f"{stop.signal}: saved step {step} to {ckpt.directory}; rerun the same command to resume.")
-                return {"step": step, "stopped": stop.signal, **last_eval}
+                print(f"{stopping}: saved step {step} to {ckpt.directory}; rerun the same command to resume.")
+                return {"step": step, "stopped": stopping, **last_eval}
         if not last_eval:  # resumed a finished run: report its final evaluation
             last_eval = evaluate(eval_step, state["params"], val, bpt)
     finally:
         stop.restore()
         bar.close()
-        ckpt.wait()
-        ckpt.close()
         writer.close()
     return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(data.tokens("train"), data.tokens("val"), data.vocab_size)}
 

@@ -1,0 +1,387 @@
+"""Data preparation (`deltares.data.prepare`) and the grain input pipeline (`deltares.data.dataset`).
+
+Expectations are written here independently of the code under test: documents are
+split by hand, token streams are decoded with plain `bytes`, GPT-2 ids are known
+constants, and window identities come from a synthetic `arange` token array (the
+window starting at token `i * seq_len` begins with the value `i * seq_len`).
+"""
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+import tokenizers
+
+from deltares.data.dataset import TokenData, Windows, eval_batches, train_dataset, train_iterator
+from deltares.data.prepare import DataError, prepare, split_documents
+
+# ----------------------------------------------------------------------------- helpers
+
+WORDS = (
+    "whale ship sea captain harpoon deck mast sail wind wave storm ocean voyage crew sailor "
+    "boat oil white hunt island harbour rope anchor compass chart night morning fog ice"
+).split()
+
+
+def make_docs(n, seed, tag):
+    """`n` distinct paragraphs (multi-line, some non-ASCII) tagged so each is unique."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n):
+        lines = []
+        for _ in range(int(rng.integers(1, 4))):
+            lines.append(" ".join(rng.choice(WORDS, size=int(rng.integers(4, 12)))))
+        lines[0] = f"{tag} doc {i}: café naïve — {lines[0]}"
+        docs.append("\n".join(lines))
+    return docs
+
+
+def write_corpus(path, docs, seps=None):
+    """Documents separated by blank lines (some with whitespace on the blank line), with padding."""
+    seps = seps or ["\n\n", "\n   \n", "\n\n\n", "\n\t\n"]
+    text = "\n\n"  # leading blank lines must not create an empty document
+    for i, doc in enumerate(docs):
+        text += doc + (seps[i % len(seps)] if i < len(docs) - 1 else "\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def read_bin(out_dir, split, dtype):
+    return np.fromfile(os.path.join(out_dir, f"{split}.bin"), dtype=dtype)
+
+
+def split_at_eos(tokens, eos):
+    """Token lists of the documents of a flat stream in which every document ends with `eos`."""
+    tokens = [int(t) for t in tokens]
+    assert tokens and tokens[-1] == eos, "the stream must end with end-of-text"
+    docs, cur = [], []
+    for t in tokens:
+        if t == eos:
+            docs.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    return docs
+
+
+def byte_docs(out_dir, split):
+    return [bytes(d).decode("utf-8") for d in split_at_eos(read_bin(out_dir, split, np.uint16), 256)]
+
+
+def expected_split_stats(docs):
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    return dict(documents=len(docs), tokens=n_bytes + len(docs), bytes=n_bytes + len(docs))
+
+
+# ----------------------------------------------------------------------------- prepare: text files
+
+
+def test_split_documents_on_blank_lines():
+    text = "\n\nfirst line\nsecond line\n\n  \n\nthird\n \t \nfourth\n\n"
+    assert split_documents(text) == ["first line\nsecond line", "third", "fourth"]
+
+
+def test_prepare_text_files_splits_whole_documents(tmp_path):
+    docs_a, docs_b = make_docs(8, 1, "A"), make_docs(12, 2, "B")
+    write_corpus(tmp_path / "a.txt", docs_a)
+    with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:  # .gz is read transparently
+        f.write("\n\n".join(docs_b) + "\n")
+    out = tmp_path / "ds"
+    meta = prepare(f"{tmp_path}/a.txt,{tmp_path}/b.txt.gz", "bytes", str(out), val_fraction=0.25, progress=False)
+
+    # val = the last quarter of each file's documents (round(8/4)=2, round(12/4)=3), train = the rest
+    want_train = docs_a[:6] + docs_b[:9]
+    want_val = docs_a[6:] + docs_b[9:]
+    got_train, got_val = byte_docs(out, "train"), byte_docs(out, "val")
+    assert sorted(got_train) == sorted(want_train)
+    assert sorted(got_val) == sorted(want_val)
+    assert not set(got_train) & set(got_val)
+    assert got_train == want_train and got_val == want_val  # file order, document order kept
+
+    on_disk = json.loads((out / "meta.json").read_text())
+    assert on_disk == meta
+    assert meta["tokenizer"] == "bytes" and meta["vocab_size"] == 257 and meta["eos_id"] == 256
+    assert meta["dtype"] == "uint16"
+    assert meta["splits"]["train"] == expected_split_stats(want_train)
+    assert meta["splits"]["val"] == expected_split_stats(want_val)
+    assert not (out / "tokenizer.json").exists()  # bytes needs none
+    assert not os.path.exists(str(out) + ".partial")
+
+    data = TokenData(str(out))
+    assert data.tokens("train").dtype == np.uint16 and len(data.tokens("train")) == meta["splits"]["train"]["tokens"]
+    tok = data.tokenizer()
+    assert tok.decode(data.tokens("val")) == "".join(want_val)  # eos (256) is dropped by decode
+
+
+def test_prepare_glob_and_single_document_file(tmp_path):
+    """A glob picks files in sorted order; a one-document file contributes it to training only."""
+    (tmp_path / "c").mkdir()
+    write_corpus(tmp_path / "c" / "2.txt", make_docs(4, 3, "two"))
+    write_corpus(tmp_path / "c" / "1.txt", make_docs(4, 4, "one"))
+    write_corpus(tmp_path / "c" / "3.txt", ["lonely single document"])
+    out = tmp_path / "ds"
+    prepare(str(tmp_path / "c" / "*.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
+    one, two = make_docs(4, 4, "one"), make_docs(4, 3, "two")
+    assert byte_docs(out, "train") == one[:3] + two[:3] + ["lonely single document"]
+    assert byte_docs(out, "val") == one[3:] + two[3:]
+
+
+@pytest.mark.parametrize(
+    "make_source",
+    [
+        pytest.param(lambda d: str(d / "empty.txt"), id="empty-file"),
+        pytest.param(lambda d: str(d / "blank.txt"), id="only-blank-lines"),
+        pytest.param(lambda d: str(d / "nope.txt"), id="missing-file"),
+        pytest.param(lambda d: str(d / "nothing-*.txt"), id="glob-without-match"),
+        pytest.param(lambda d: str(d), id="directory"),
+    ],
+)
+def test_prepare_bad_sources_raise_data_error_and_write_nothing(tmp_path, make_source):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n\n   \n\n")
+    out = tmp_path / "out"
+    with pytest.raises(DataError):
+        prepare(make_source(tmp_path), "bytes", str(out), val_fraction=0.1, progress=False)
+    assert not out.exists() and not os.path.exists(str(out) + ".partial")
+
+
+def test_prepare_bad_val_fraction_and_tokenizer(tmp_path):
+    write_corpus(tmp_path / "a.txt", make_docs(4, 0, "x"))
+    for frac in (0.0, 0.5, 1.0, -0.1):
+        with pytest.raises(DataError, match="val_fraction"):
+            prepare(str(tmp_path / "a.txt"), "bytes", str(tmp_path / "o"), val_fraction=frac, progress=False)
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        prepare(str(tmp_path / "a.txt"), "nonsense", str(tmp_path / "o"), val_fraction=0.25, progress=False)
+    with pytest.raises(ValueError, match="300"):
+        prepare(str(tmp_path / "a.txt"), "bpe:100", str(tmp_path / "o"), val_fraction=0.25, progress=False)
+
+
+def test_prepare_replaces_an_existing_output(tmp_path):
+    write_corpus(tmp_path / "a.txt", make_docs(4, 0, "old"))
+    write_corpus(tmp_path / "b.txt", make_docs(4, 1, "new"))
+    out = tmp_path / "ds"
+    prepare(str(tmp_path / "a.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
+    prepare(str(tmp_path / "b.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
+    assert byte_docs(out, "train") == make_docs(4, 1, "new")[:3]
+
+
+def test_token_data_rejects_unprepared_dirs(tmp_path):
+    with pytest.raises(DataError, match="meta.json"):
+        TokenData(str(tmp_path))
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 999}))
+    with pytest.raises(DataError, match="format"):
+        TokenData(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def test_bpe_tokenizer_trained_and_cached(tmp_path):
+    docs = make_docs(60, 5, "bpe")
+    write_corpus(tmp_path / "a.txt", docs)
+    out = tmp_path / "ds"
+    meta = prepare(str(tmp_path / "a.txt"), "bpe:320", str(out), val_fraction=0.1, progress=False)
+    assert meta["tokenizer"] == "bpe:320" and meta["vocab_size"] == 320 and meta["dtype"] == "uint16"
+
+    # the trained tokenizer is stored beside the data and is what a reader gets back
+    assert (out / "tokenizer.json").exists()
+    stored = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert stored.get_vocab_size(with_added_tokens=True) == 320
+    eos = stored.token_to_id("<|endoftext|>")
+    assert eos == meta["eos_id"]
+
+    train_ids = read_bin(out, "train", np.uint16)
+    assert int(train_ids.max()) < 320
+    n_val = 6  # round(60 * 0.1)
+    got_docs = split_at_eos(train_ids, eos)
+    assert len(got_docs) == 60 - n_val
+    for ids, doc in zip(got_docs, docs[: 60 - n_val]):
+        assert stored.decode(ids) == doc  # byte-level BPE round-trips exactly
+        assert stored.encode(doc, add_special_tokens=False).ids == ids  # ids are the stored tokenizer's
+    # it actually merges: fewer tokens than bytes
+    assert len(train_ids) < meta["splits"]["train"]["bytes"] * 0.8
+
+    # TokenData restores the same tokenizer from tokenizer.json (not by retraining)
+    tok = TokenData(str(out)).tokenizer()
+    assert tok.vocab_size == 320 and tok.eos_id == eos
+    assert tok.encode(docs[0]) == got_docs[0]
+
+
+def test_gpt2_tokenizer_round_trip(tmp_path):
+    docs = ["Hello world", "The quick brown fox\njumps over the lazy dog.", "Ünïcödé — 日本語 🐋", "last one"]
+    write_corpus(tmp_path / "a.txt", docs)
+    out = tmp_path / "ds"
+    meta = prepare(str(tmp_path / "a.txt"), "gpt2", str(out), val_fraction=0.25, progress=False)
+    assert meta["vocab_size"] == 50257 and meta["eos_id"] == 50256 and meta["dtype"] == "uint16"
+    train = read_bin(out, "train", np.uint16)
+    assert [int(t) for t in train[:3]] == [15496, 995, 50256]  # GPT-2 ids of "Hello", " world", <|endoftext|>
+    tok = TokenData(str(out)).tokenizer()
+    decoded = [tok.decode(d) for d in split_at_eos(train, 50256)]
+    assert decoded == docs[:3]
+    assert [tok.decode(d) for d in split_at_eos(read_bin(out, "val", np.uint16), 50256)] == docs[3:]
+    assert meta["splits"]["train"]["bytes"] == sum(len(d.encode()) + 1 for d in docs[:3])
+
+
+# ----------------------------------------------------------------------------- prepare: Hugging Face datasets
+
+
+@pytest.fixture(scope="module")
+def hf_records():
+    return [f"record {i}: " + " ".join(WORDS[i % len(WORDS) : i % len(WORDS) + 5]) + " ÿ" for i in range(20)]
+
+
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk"])
+def test_prepare_local_hf_dataset(tmp_path, hf_records, layout):
+    datasets = pytest.importorskip("datasets")
+    src = tmp_path / "hf"
+    table = datasets.Dataset.from_dict({"text": hf_records, "id": list(range(len(hf_records)))})
+    if layout == "parquet":
+        (src / "data").mkdir(parents=True)
+        table.to_parquet(str(src / "data" / "train-00000.parquet"))
+    else:
+        table.save_to_disk(str(src))
+    out = tmp_path / "ds"
+    meta = prepare(f"hf:{src}", "bytes", str(out), val_fraction=0.25, progress=False)
+    # every 4th record (indices 3, 7, 11, ...) is held out
+    want_val = [r for i, r in enumerate(hf_records) if i % 4 == 3]
+    want_train = [r for i, r in enumerate(hf_records) if i % 4 != 3]
+    assert byte_docs(out, "train") == want_train
+    assert byte_docs(out, "val") == want_val
+    assert meta["splits"]["train"] == expected_split_stats(want_train)
+    assert meta["splits"]["val"] == expected_split_stats(want_val)
+    assert meta["source"] == f"hf:{src}"
+
+    with pytest.raises(DataError, match="body"):
+        prepare(f"hf:{src}", "bytes", str(tmp_path / "ds2"), val_fraction=0.25, hf_field="body", progress=False)
+
+
+# ----------------------------------------------------------------------------- grain pipeline
+
+N_TOKENS, SEQ, BATCH = 32 * 40 + 1, 32, 4  # exactly 40 windows
+N_WINDOWS = 40
+
+
+def arange_tokens(n=N_TOKENS):
+    return np.arange(n, dtype=np.int64) % 60000  # values == positions (< n here)
+
+
+def window_ids(batch):
+    """Identity of each window of a [B, T+1] batch from the arange tokens: its start / seq_len."""
+    batch = np.asarray(batch)
+    assert batch.dtype == np.int32
+    assert batch.shape[1] == SEQ + 1
+    starts = batch[:, 0]
+    assert (starts % SEQ == 0).all()
+    # every window is contiguous: seq_len + 1 consecutive tokens
+    np.testing.assert_array_equal(batch, starts[:, None] + np.arange(SEQ + 1)[None, :])
+    return [int(s) // SEQ for s in starts]
+
+
+def first_batches(ds, n):
+    return [np.asarray(ds[i]) for i in range(n)]
+
+
+def test_windows_cover_the_stream():
+    w = Windows(arange_tokens(), SEQ)
+    assert len(w) == N_WINDOWS
+    np.testing.assert_array_equal(w[N_WINDOWS - 1], np.arange((N_WINDOWS - 1) * SEQ, N_WINDOWS * SEQ + 1))
+    # one token short of the last window's target: one window fewer
+    assert len(Windows(arange_tokens(N_TOKENS - 1), SEQ)) == N_WINDOWS - 1
+
+
+def test_train_batches_deterministic_per_seed():
+    a = first_batches(train_dataset(arange_tokens(), SEQ, BATCH, seed=7), 12)
+    b = first_batches(train_dataset(arange_tokens(), SEQ, BATCH, seed=7), 12)
+    c = first_batches(train_dataset(arange_tokens(), SEQ, BATCH, seed=8), 12)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert [window_ids(x) for x in a] != [window_ids(x) for x in c]
+    assert all(x.shape == (BATCH, SEQ + 1) for x in a)
+    # shuffled: not simply the windows in order
+    assert sum((window_ids(x) for x in a[:10]), []) != list(range(N_WINDOWS))
+
+
+def test_every_window_once_per_epoch_and_epochs_reshuffled():
+    ds = train_dataset(arange_tokens(), SEQ, BATCH, seed=3)
+    per_epoch = N_WINDOWS // BATCH  # 40 windows = 10 full batches per epoch
+    ids = sum((window_ids(b) for b in first_batches(ds, 3 * per_epoch)), [])
+    epochs = [ids[e * N_WINDOWS : (e + 1) * N_WINDOWS] for e in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(N_WINDOWS))
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+
+
+def test_every_window_once_per_epoch_with_remainder():
+    """42 windows with a batch of 4: epochs straddle batches, yet each epoch is a permutation."""
+    tokens = arange_tokens(32 * 42 + 1)
+    ids = sum((window_ids(b) for b in first_batches(train_dataset(tokens, SEQ, BATCH, seed=0), 21)), [])
+    assert sorted(ids[:42]) == list(range(42)) and sorted(ids[42:84]) == list(range(42))
+
+
+def test_process_shards_split_the_global_batch():
+    global_ds = train_dataset(arange_tokens(), SEQ, BATCH, seed=11)
+    shards = [train_dataset(arange_tokens(), SEQ, BATCH, seed=11, process_index=p, process_count=2) for p in (0, 1)]
+    for step in range(15):
+        want = window_ids(global_ds[step])
+        parts = [window_ids(s[step]) for s in shards]
+        assert all(len(p) == BATCH // 2 for p in parts)
+        assert not set(parts[0]) & set(parts[1])
+        assert sorted(parts[0] + parts[1]) == sorted(want)
+    with pytest.raises(DataError, match="divisible"):
+        train_dataset(arange_tokens(), SEQ, 3, seed=0, process_index=0, process_count=2)
+
+
+def test_train_dataset_too_small_for_a_batch():
+    with pytest.raises(DataError, match="fewer than one batch"):
+        train_dataset(arange_tokens(SEQ * 3 + 1), SEQ, BATCH, seed=0)
+
+
+def test_iterator_state_restore_continues_identically():
+    ds = train_dataset(arange_tokens(), SEQ, BATCH, seed=5)
+    it = train_iterator(ds, prefetch=2)
+    head = [np.asarray(next(it)) for _ in range(13)]  # past an epoch boundary (10 batches)
+    state = it.get_state()
+    saved = json.loads(json.dumps(state))  # checkpoints store it as JSON
+    tail = [np.asarray(next(it)) for _ in range(9)]
+
+    # the iterator yields exactly the dataset's batches in order
+    for i, b in enumerate(head + tail):
+        np.testing.assert_array_equal(b, np.asarray(ds[i]))
+
+    fresh = train_iterator(train_dataset(arange_tokens(), SEQ, BATCH, seed=5), prefetch=2)
+    fresh.set_state(saved)
+    for want in tail:
+        np.testing.assert_array_equal(np.asarray(next(fresh)), want)
+
+
+def test_validation_batches_fixed_and_in_order():
+    tokens = arange_tokens(32 * 11 + 5)  # 11 windows
+    got = eval_batches(tokens, SEQ, 3)
+    assert len(got) == 3  # 11 // 3 full batches
+    for b, batch in enumerate(got):
+        for i in range(3):
+            start = (b * 3 + i) * SEQ
+            np.testing.assert_array_equal(batch[i], np.arange(start, start + SEQ + 1))
+    again = eval_batches(tokens, SEQ, 3)
+    for x, y in zip(got, again):
+        np.testing.assert_array_equal(x, y)
+    assert len(eval_batches(tokens, SEQ, 3, max_batches=2)) == 2
+    with pytest.raises(DataError, match="fewer than one evaluation batch"):
+        eval_batches(arange_tokens(2 * SEQ + 1), SEQ, 3)
+
+
+def test_token_data_reads_prepared_splits(tmp_path):
+    docs = make_docs(10, 9, "td")
+    write_corpus(tmp_path / "a.txt", docs)
+    out = tmp_path / "ds"
+    meta = prepare(str(tmp_path / "a.txt"), "bytes", str(out), val_fraction=0.2, progress=False)
+    data = TokenData(str(out))
+    want = b"".join(d.encode() + b"\xff" for d in docs[:8])  # 0xff stands in for eos (256)
+    got = np.where(np.asarray(data.tokens("train")) == 256, 255, np.asarray(data.tokens("train")))
+    assert bytes(got.astype(np.uint8)) == want
+    assert data.bytes_per_token("val") == pytest.approx(meta["splits"]["val"]["bytes"] / meta["splits"]["val"]["tokens"])
+    (out / "val.bin").write_bytes(b"")
+    with pytest.raises(DataError, match="empty"):
+        data.tokens("val")

@@ -1,0 +1,545 @@
+"""The trainer end to end (`deltares.train`, `deltares.eval`, `deltares.data.prepare` CLIs) on the `debug`
+experiment: learning, logging, determinism, exact resume after SIGKILL / SIGTERM, the
+prepare -> train -> eval round trip, and clean one-line errors for bad input.
+
+Every run uses `train.steps=30` (the debug default) and the same model, so the train step
+compiles once; compiled executables are also cached on disk (`DELTARES_TEST_JAX_CACHE`,
+default `$TMPDIR/deltares-test-jax-cache`) for the subprocesses and later runs.
+"""
+
+import glob
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from deltares.checkpoint import load_checkpoint
+from deltares.data.prepare import DataError, prepare
+from deltares.train import TrainError, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "deltares-test-jax-cache"))
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+ENV = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    JAX_COMPILATION_CACHE_DIR=CACHE,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+)
+STEPS, SEQ, BATCH = 30, 32, 4
+REQUIRED_KEYS = {"step", "loss", "loss_mean", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "tokens_seen"}
+EVAL_KEYS = {"val_loss", "val_ppl", "val_bpb"}
+STATS_KEYS = {"routing_max_weight", "routing_entropy"}
+# The uninterrupted reference run and the interrupted ones share these overrides.
+RESUME_OVERRIDES = dict(log_every=1, checkpoint_every=4)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def debug_config(mode="delta_block"):
+    spec = importlib.util.spec_from_file_location("debug_experiment", os.path.join(ROOT, "experiments", "debug.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(mode)
+
+
+def config_with(dataset, **train_fields):
+    cfg = debug_config()
+    cfg.data.dataset = str(dataset)
+    cfg.train.update(train_fields)
+    return cfg
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def checkpoint_steps(workdir):
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def tree_digest(root):
+    """{relative path: sha256} of every file under `root`."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def module_cmd(module, *args):
+    return [sys.executable, "-m", module, *args]
+
+
+def train_cmd(workdir, *overrides):
+    return module_cmd("deltares.train", "--config", os.path.join(ROOT, "experiments", "debug.py"), "--workdir",
+                      str(workdir), *overrides)
+
+
+def run(cmd, timeout=240):
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def describe(proc):
+    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+PROGRESS = re.compile(r"^\s*(train|tokenizing):\s+\d+%\|")  # tqdm bars on stderr
+
+
+def assert_clean_error(proc, *words):
+    """Non-zero exit, and stderr is exactly one line `error: ...` containing `words` (no traceback);
+    progress bars are the only other output allowed."""
+    assert proc.returncode not in (0, None), describe(proc)
+    lines = [line for line in re.split(r"[\r\n]+", proc.stderr) if line.strip() and not PROGRESS.match(line)]
+    assert len(lines) == 1 and lines[0].startswith("error: "), describe(proc)
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def assert_nothing_to_resume(workdir):
+    """A failed start leaves nothing a later run in the same workdir would resume from or append to."""
+    assert checkpoint_steps(workdir) == []
+    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+
+
+def tensorboard_scalars(workdir):
+    """{(tag, step): value} from the TFRecord event files (parsed here, without tensorboard)."""
+    from tensorboardX.proto import event_pb2
+
+    files = glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents*"))
+    assert files, "no TensorBoard event file"
+    out = {}
+    for path in files:
+        data = open(path, "rb").read()
+        i = 0
+        while i < len(data):
+            (length,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[i + 12 : i + 12 + length])
+            i += 12 + length + 4
+            for v in event.summary.value:
+                out[(v.tag, event.step)] = v.simple_value
+    return out
+
+
+WORDS = (
+    "the whale ship sea captain harpoon deck mast sail wind wave storm ocean voyage crew sailor boat oil white "
+    "hunt island harbour rope anchor compass chart night morning fog ice and of a to in was he his that it"
+).split()
+
+
+def write_paragraphs(path, n, seed):
+    rng = np.random.default_rng(seed)
+    paras = []
+    for i in range(n):
+        sentences = [" ".join(rng.choice(WORDS, size=int(rng.integers(6, 14)))).capitalize() + "." for _ in range(3)]
+        paras.append(" ".join(sentences))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(paras) + "\n")
+    return paras
+
+
+# ----------------------------------------------------------------------------- shared runs
+
+
+@pytest.fixture(scope="module")
+def builtin_dataset(tmp_path_factory):
+    """The built-in corpus with the bytes tokenizer, prepared as `train` prepares it for 'builtin'."""
+    out = tmp_path_factory.mktemp("builtin") / "dataset"
+    prepare("builtin", "bytes", str(out), val_fraction=0.05, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_dataset, tmp_path_factory):
+    """An uninterrupted 30-step run logging every step, checkpointing every 4 (in-process)."""
+    workdir = tmp_path_factory.mktemp("reference")
+    result = train(config_with(builtin_dataset, **RESUME_OVERRIDES), str(workdir))
+    records = read_metrics(str(workdir))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return dict(workdir=str(workdir), result=result, loss={r["step"]: r["loss"] for r in records})
+
+
+# ----------------------------------------------------------------------------- 1. learning and logging
+
+
+def test_debug_run_on_builtin_corpus_learns_and_logs(tmp_path):
+    cfg = debug_config()
+    assert cfg.data.dataset == "builtin" and cfg.train.steps == STEPS
+    result = train(cfg, str(tmp_path))
+
+    records = read_metrics(str(tmp_path))
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]  # log_every=5
+    losses = [r["loss"] for r in records]
+    assert np.mean(losses[-5:]) < losses[0], losses
+    assert losses[-1] < losses[0] - 0.5, losses  # well below where it started (~ln 257 = 5.55)
+    for r in records:
+        assert REQUIRED_KEYS <= r.keys(), r.keys()
+        assert all(math.isfinite(r[k]) for k in REQUIRED_KEYS), r
+        assert r["tokens_seen"] == r["step"] * BATCH * SEQ
+        assert cfg.optim.lr_min * 0.999 <= r["lr"] <= cfg.optim.lr * 1.001
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["mfu"] > 0
+        is_eval = is_stats = r["step"] % 10 == 0  # eval_every = stats_every = 10
+        assert (EVAL_KEYS <= r.keys()) == is_eval and (STATS_KEYS <= r.keys()) == is_stats, r.keys()
+        if is_eval:
+            assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-6)
+            # bytes tokenizer: one token per byte (end-of-text counted as one byte), so bits/byte = loss / ln 2
+            assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-6)
+        if is_stats:
+            for key in STATS_KEYS:
+                assert len(r[key]) == 2 * 3  # one entry per sublayer
+            assert all(0.0 <= w <= 1.0 for w in r["routing_max_weight"])
+    # The logged lr is the one the step's update used: schedule(step - 1). Step 5 is still in
+    # the 5-step warmup (4/5 of the peak); from step 10 on the cosine decays.
+    lrs = [r["lr"] for r in records]
+    assert lrs[0] == pytest.approx(cfg.optim.lr * 4 / 5, rel=1e-5), lrs
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])), f"LR must decay after the 5 warmup steps: {lrs}"
+
+    assert checkpoint_steps(str(tmp_path)) == [10, 20, 30]
+    assert os.path.exists(tmp_path / "dataset" / "meta.json")  # the built-in corpus, prepared into the workdir
+    scalars = tensorboard_scalars(str(tmp_path))
+    assert scalars[("loss", 30)] == pytest.approx(records[-1]["loss"], rel=1e-6)
+    assert scalars[("val_loss", 20)] == pytest.approx(records[3]["val_loss"], rel=1e-6)
+    assert ("routing_entropy/005", 30) in scalars
+
+    assert result["step"] == STEPS
+    assert math.isfinite(result["val_ppl"]) and result["val_ppl"] == pytest.approx(records[-1]["val_ppl"])
+    assert result["val_ppl"] < 257  # better than uniform over the byte vocabulary
+    assert math.isfinite(result["unigram_ppl"]) and 1 < result["unigram_ppl"] < 257
+
+
+# ----------------------------------------------------------------------------- 2. determinism
+
+
+def test_same_config_gives_identical_losses(reference, builtin_dataset, tmp_path):
+    train(config_with(builtin_dataset, **RESUME_OVERRIDES), str(tmp_path / "again"))
+    again = read_metrics(str(tmp_path / "again"))
+    assert {r["step"]: r["loss"] for r in again} == reference["loss"]
+    assert len(set(reference["loss"].values())) == STEPS  # 30 distinct values: the comparison is not vacuous
+    want = read_metrics(reference["workdir"])
+    assert [r["grad_norm"] for r in again] == [r["grad_norm"] for r in want]
+
+
+# ----------------------------------------------------------------------------- 3. exact resume
+
+
+def resume_cmd(workdir, dataset):
+    return train_cmd(workdir, f"--config.data.dataset={dataset}",
+                     *(f"--config.train.{k}={v}" for k, v in RESUME_OVERRIDES.items()))
+
+
+def start_and_wait_for_checkpoint(cmd, workdir, min_step=8, timeout=150):
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = checkpoint_steps(workdir)
+        if steps and steps[-1] >= min_step:
+            return proc, steps[-1]
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"training exited (rc={proc.returncode}) before a checkpoint >= {min_step}:\n{out}\n{err}")
+        time.sleep(0.005)
+    proc.kill()
+    proc.communicate()
+    pytest.fail(f"no checkpoint >= {min_step} within {timeout} s")
+
+
+def assert_resumed_like_reference(workdir, reference, proc, interrupted_at):
+    assert proc.returncode == 0, describe(proc)
+    match = re.search(r"resumed .* from step (\d+)", proc.stderr)
+    assert match, describe(proc)
+    start = int(match.group(1))
+    assert 8 <= start <= min(interrupted_at, STEPS), (start, interrupted_at)
+    records = read_metrics(workdir)
+    # records written after the restored checkpoint by the interrupted run were dropped, then rewritten once
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert abs(r["loss"] - reference["loss"][r["step"]]) <= 1e-6, (r["step"], r["loss"], reference["loss"][r["step"]])
+    # the final state is the reference's, parameter for parameter
+    got, want = load_checkpoint(workdir), load_checkpoint(reference["workdir"])
+    assert got.step == want.step == STEPS
+    for a, b in zip(jax.tree.leaves(got.state["params"]), jax.tree.leaves(want.state["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    return start
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(reference, builtin_dataset, tmp_path):
+    workdir = str(tmp_path / "run")
+    cmd = resume_cmd(workdir, builtin_dataset)
+    proc, seen = start_and_wait_for_checkpoint(cmd, workdir)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = max(r["step"] for r in read_metrics(workdir))
+    assert killed_at >= seen
+
+    rerun = run(cmd)
+    start = assert_resumed_like_reference(workdir, reference, rerun, max(killed_at, seen))
+    assert start >= seen
+
+
+def test_resume_after_sigterm_matches_uninterrupted_run(reference, builtin_dataset, tmp_path):
+    workdir = str(tmp_path / "run")
+    cmd = resume_cmd(workdir, builtin_dataset)
+    proc, seen = start_and_wait_for_checkpoint(cmd, workdir)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{err}"
+    match = re.search(r"SIGTERM: saved step (\d+)", out)
+    assert match, f"no 'saved step' line (did the run finish before the signal?):\n{out}\n{err}"
+    saved = int(match.group(1))
+    assert seen <= saved < STEPS
+    assert max(r["step"] for r in read_metrics(workdir)) == saved
+    # That the checkpoint of step `saved` itself exists is checked deterministically by
+    # test_sigterm_during_a_logged_step_saves_that_step (a race in train.py can skip it).
+    latest = checkpoint_steps(workdir)[-1]
+    assert seen <= latest <= saved
+
+    rerun = run(cmd)
+    assert assert_resumed_like_reference(workdir, reference, rerun, saved) == latest
+
+
+def test_sigterm_during_a_logged_step_saves_that_step(builtin_dataset, tmp_path, monkeypatch, capsys):
+    """SIGTERM delivered while step 10 is being evaluated (eval_every=10; checkpoint_every=4): the step the
+    run reports as saved must have a checkpoint."""
+    import deltares.train as train_module
+
+    evaluate = train_module.evaluate
+
+    def evaluate_then_sigterm(*args, **kwargs):
+        out = evaluate(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by train's StopRequest in this (main) thread
+        return out
+
+    monkeypatch.setattr(train_module, "evaluate", evaluate_then_sigterm)
+    workdir = str(tmp_path / "run")
+    result = train(config_with(builtin_dataset, **RESUME_OVERRIDES), workdir)
+    assert result["stopped"] == "SIGTERM" and result["step"] in (10, 11)
+    saved = int(re.search(r"SIGTERM: saved step (\d+)", capsys.readouterr().out).group(1))
+    assert saved == result["step"]
+    assert checkpoint_steps(workdir)[-1] == saved, f"reported step {saved} saved, newest checkpoint {checkpoint_steps(workdir)}"
+
+
+# ----------------------------------------------------------------------------- 4. prepare -> train -> eval
+
+
+def test_prepare_train_eval_round_trip(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    write_paragraphs(corpus, 80, seed=0)
+    assert 8_000 < corpus.stat().st_size < 20_000
+    data = tmp_path / "data"
+    p = run(module_cmd("deltares.data.prepare", "--source", str(corpus), "--tokenizer", "bytes", "--out", str(data),
+                       "--val_fraction", "0.1"))
+    assert p.returncode == 0, describe(p)
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["splits"]["val"]["documents"] == 8 and meta["splits"]["train"]["documents"] == 72
+
+    workdir = tmp_path / "run"
+    t = run(train_cmd(workdir, f"--config.data.dataset={data}"))
+    assert t.returncode == 0, describe(t)
+    m = re.search(r"step 30: validation loss ([\d.]+), perplexity ([\d.]+)", t.stdout)
+    assert m, describe(t)
+    final = read_metrics(str(workdir))[-1]
+    assert final["step"] == 30 and final["val_loss"] == pytest.approx(float(m.group(1)), abs=1e-4)
+
+    line = re.compile(r"step (\d+): loss ([\d.]+)  perplexity ([\d.]+)  bits/byte ([\d.]+)")
+    # the trainer's own validation set (batches of 4, at most 2) must give the trainer's validation loss
+    e = run(module_cmd("deltares.eval", "--checkpoint", str(workdir), "--data", str(data), "--batch", "4",
+                       "--max_batches", "2"))
+    assert e.returncode == 0, describe(e)
+    step, loss, ppl, bpb = line.search(e.stdout).groups()
+    assert int(step) == 30
+    assert float(loss) == pytest.approx(final["val_loss"], abs=1e-4)
+    assert float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-3)
+    assert float(bpb) == pytest.approx(float(loss) / math.log(2), rel=1e-3)
+
+    # a plain text file, tokenized with the run's tokenizer, and a single step directory as --checkpoint
+    text = tmp_path / "other.txt"
+    write_paragraphs(text, 6, seed=1)
+    e = run(module_cmd("deltares.eval", "--checkpoint", str(workdir / "checkpoints" / "20"), "--data", str(text)))
+    assert e.returncode == 0, describe(e)
+    step, loss, ppl, bpb = line.search(e.stdout).groups()
+    assert int(step) == 20
+    assert math.isfinite(float(ppl)) and 1 < float(ppl) < 257
+    assert float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-3)
+
+    from deltares.eval import evaluate_checkpoint  # (the CLI prints such errors as one line, like train's)
+
+    with pytest.raises(DataError, match="missing.txt"):
+        evaluate_checkpoint(str(workdir), str(tmp_path / "missing.txt"))
+
+
+# ----------------------------------------------------------------------------- 5. bad input
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    write_paragraphs(d / "corpus.txt", 60, seed=2)
+    return d / "corpus.txt"
+
+
+def test_missing_dataset_dir(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run(train_cmd(workdir, "--config.data.dataset=/nonexistent/dataset"))
+    assert_clean_error(proc, "/nonexistent/dataset", "prepare")
+    assert_nothing_to_resume(str(workdir))
+
+
+def test_empty_corpus_to_prepare(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    proc = run(module_cmd("deltares.data.prepare", "--source", str(tmp_path / "empty.txt"), "--tokenizer", "bytes",
+                          "--out", str(tmp_path / "out")))
+    assert_clean_error(proc, "empty.txt", "documents")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_empty_data_file(tmp_path, small_corpus):
+    data = tmp_path / "data"
+    prepare(str(small_corpus), "bytes", str(data), val_fraction=0.1, progress=False)
+    (data / "train.bin").write_bytes(b"")
+    workdir = tmp_path / "run"
+    with pytest.raises(DataError, match="train.bin is missing or empty"):
+        train(config_with(data), str(workdir))
+    assert_nothing_to_resume(str(workdir))
+
+
+def test_tokenizer_vocab_larger_than_model(tmp_path, small_corpus):
+    data = tmp_path / "gpt2data"
+    prepare(str(small_corpus), "gpt2", str(data), val_fraction=0.1, progress=False)
+    workdir = tmp_path / "run"
+    assert_clean_error(run(train_cmd(workdir, f"--config.data.dataset={data}")), "50257", "vocab_size=257")
+    assert_nothing_to_resume(str(workdir))
+
+
+def test_corpus_too_small_for_one_batch(tmp_path, builtin_dataset, small_corpus):
+    workdir = tmp_path / "run"
+    cfg = config_with(builtin_dataset)
+    cfg.data.seq_len = 400_000  # 1.16M training tokens: 2 windows, fewer than the batch of 4
+    with pytest.raises(DataError, match="fewer than one batch of 4"):
+        train(cfg, str(workdir))
+    assert_nothing_to_resume(str(workdir))
+
+    # a validation split too small for one evaluation batch: one short held-out document
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(small_corpus.read_text() + "\n\nshort last paragraph\n")
+    data = tmp_path / "data"
+    prepare(str(corpus), "bytes", str(data), val_fraction=0.01, progress=False)
+    with pytest.raises(DataError, match="fewer than one evaluation batch"):
+        train(config_with(data), str(workdir))
+    assert_nothing_to_resume(str(workdir))
+
+    # nothing left behind breaks a correct run in the same workdir
+    result = train(config_with(builtin_dataset, steps=STEPS), str(workdir))
+    assert result["step"] == STEPS
+
+
+@pytest.fixture
+def finished_copy(reference, tmp_path):
+    """A copy of the finished reference workdir and the digest of its checkpoints and metrics."""
+    workdir = tmp_path / "copy"
+    shutil.copytree(reference["workdir"], workdir)
+    return str(workdir), tree_digest(workdir)
+
+
+def test_incompatible_checkpoint_refused_cli(finished_copy, builtin_dataset):
+    workdir, digest = finished_copy
+    proc = run(train_cmd(workdir, f"--config.data.dataset={builtin_dataset}", "--config.seed=1"))
+    assert_clean_error(proc, "seed", "force")
+    assert tree_digest(workdir) == digest
+
+
+@pytest.mark.parametrize(
+    "field,value,name",
+    [
+        ("data.seq_len", 16, "data.seq_len"),
+        ("train.global_batch", 8, "train.global_batch"),
+        ("model.d_model", 64, "model"),
+        ("model.residual.mode", "baseline", "model"),
+    ],
+)
+def test_incompatible_checkpoint_refused(finished_copy, builtin_dataset, field, value, name):
+    workdir, digest = finished_copy
+    cfg = config_with(builtin_dataset)
+    section, key = field.rsplit(".", 1)
+    node = cfg
+    for part in section.split("."):
+        node = node[part]
+    node[key] = value
+    with pytest.raises(TrainError, match=re.escape(name)) as err:
+        train(cfg, workdir)
+    assert "force" in str(err.value)
+    assert tree_digest(workdir) == digest
+
+
+def test_incompatible_dataset_path_refused(finished_copy, builtin_dataset, tmp_path):
+    workdir, digest = finished_copy
+    other = tmp_path / "other_dataset"
+    shutil.copytree(builtin_dataset, other)
+    with pytest.raises(TrainError, match="data.dataset"):
+        train(config_with(other), workdir)
+    assert tree_digest(workdir) == digest
+
+
+def test_force_resumes_a_restorable_checkpoint(finished_copy, builtin_dataset, capsys):
+    workdir, digest = finished_copy
+    cfg = config_with(builtin_dataset)
+    cfg.seed, cfg.force = 1, True
+    result = train(cfg, workdir)
+    assert result["step"] == STEPS and math.isfinite(result["val_loss"])
+    assert "warning: resuming" in capsys.readouterr().err
+    assert checkpoint_steps(workdir) == [24, 28, 30]
+
+
+def test_force_with_unrestorable_checkpoint_is_a_clean_error(finished_copy, builtin_dataset):
+    workdir, digest = finished_copy
+    proc = run(train_cmd(workdir, f"--config.data.dataset={builtin_dataset}", "--config.model.d_model=48",
+                         "--config.force=True"))
+    assert tree_digest(workdir) == digest  # checked first: this part holds today
+    assert "Traceback" not in proc.stderr, proc.stderr.strip().splitlines()[-1]
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), describe(proc)
+
+
+def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, builtin_dataset):
+    workdir = tmp_path / "run"
+    proc = run(train_cmd(workdir, f"--config.data.dataset={builtin_dataset}", "--config.optim.lr=1e30",
+                         "--config.optim.warmup_steps=1", "--config.train.log_every=1",
+                         "--config.train.checkpoint_every=1"))
+    line = assert_clean_error(proc, "non-finite loss")
+    bad_step = int(re.search(r"at step (\d+)", line).group(1))
+    good = int(re.search(r"last good checkpoint is step (\d+)", line).group(1))
+    assert good == bad_step - 1 >= 1  # checkpoint_every=1: every step before the bad one was saved
+    assert checkpoint_steps(str(workdir))[-1] == good
+    records = read_metrics(str(workdir))
+    assert records[-1]["step"] == good and all(math.isfinite(r["loss"]) for r in records)
+    ckpt = load_checkpoint(str(workdir))
+    assert ckpt.step == good
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(ckpt.state["params"]))

@@ -1,6 +1,7 @@
 """tiny: a 6-layer, d=256 model (about 5.8M parameters, 4096-token BPE) for a 2-core CPU.
 
-Delta Block defaults to 2 layers per block (3 blocks).
+Delta Block defaults to 2 layers per block (3 blocks). Layers are unrolled: at this depth
+compile time is small and XLA's CPU backend runs the unrolled stack faster.
 
 Run: python -m deltares.bench_model --config experiments/tiny.py
 Paper: no counterpart; the smallest paper scale is 220M (experiments/s220m.py).
@@ -8,7 +9,8 @@ Paper: no counterpart; the smallest paper scale is 220M (experiments/s220m.py).
 
 from deltares.configs import experiment
 
-MODEL = dict(vocab_size=4096, d_model=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768, dtype="float32")
+MODEL = dict(vocab_size=4096, d_model=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768, dtype="float32",
+             scan_layers=False)  # on a CPU, 6 unrolled layers run about 20% faster than a scan
 
 
 RECIPE = dict(

@@ -204,7 +204,13 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     config_record = config_json(cfg)
 
     def save(step):
-        ckpt.save(step, state, data_iter.get_state(), config_record)
+        try:
+            ckpt.save(step, state, data_iter.get_state(), config_record)
+        except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
+            raise TrainError(
+                f"saving step {step} failed ({type(err).__name__}: {err}); the previous checkpoint, step "
+                f"{ckpt.latest_step()}, is intact in {ckpt.directory}"
+            ) from None
 
     stop = StopRequest()
     bar = tqdm(total=t.steps, initial=start, unit="step", desc="train", dynamic_ncols=True, file=sys.stderr)

@@ -2,15 +2,22 @@
 
 Delta Block defaults to 6 layers per block (4 blocks).
 
-Run: python -m deltares.train --config experiments/s533m.py:delta_block --workdir runs/s533m_delta_block
+Run: python -m deltares.train --config experiments/s533m.py:delta_block --workdir runs/s533m_delta_block \
+         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 32.00,
 block AttnRes 31.75, full AttnRes 31.68, Delta Block 31.16, Delta AttnRes 31.05.
 Block-size ablation (block_layers=2, 6, 12, 24): 31.23, 31.19, 31.22, 31.18.
+
+Block-size ablation (the paper's Table 2):
+    for B in 2 6 12 24; do python -m deltares.train --config experiments/s533m.py:delta_block,block_layers=$B \
+        --workdir runs/s533m_delta_block_B$B --config.data.dataset=DATA; done
 """
 
 from deltares.configs import PAPER_RECIPE, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, head_dim=64, d_ff=4096)
+
+ABLATION_BLOCK_LAYERS = (2, 6, 12, 24)
 
 
 def get_config(arg="delta_block"):

@@ -3,7 +3,8 @@
 Delta Block defaults to 6 layers per block (6 blocks). Needs a TPU pod slice or
 several large GPUs; see README.
 
-Run: python -m deltares.train --config experiments/s7b6.py:delta_block --workdir gs://BUCKET/s7b6_delta_block
+Run: python -m deltares.train --config experiments/s7b6.py:delta_block --workdir runs/s7b6_delta_block \
+         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 17.43,
 block AttnRes 18.58, Delta Block 16.00 (8.2% better than baseline).
 """

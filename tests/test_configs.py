@@ -167,3 +167,14 @@ def test_block_layers_equal_to_depth_is_allowed():
     assert cfg.model.residual.block_layers == 12
     with pytest.raises(ValueError, match="block_layers"):
         load("debug").get_config("delta_block,block_layers=4")  # debug has 3 layers
+
+
+@pytest.mark.parametrize("scale", ["s220m", "s533m"])
+def test_block_size_ablation_variants(scale):
+    module = load(scale)
+    expected = {"s220m": (1, 2, 4, 6, 12), "s533m": (2, 6, 12, 24)}[scale]
+    assert tuple(module.ABLATION_BLOCK_LAYERS) == expected
+    for block_layers in expected:
+        cfg = module.get_config(f"delta_block,block_layers={block_layers}")
+        assert cfg.model.residual.block_layers == block_layers
+        assert cfg.train.steps == 10_000 and cfg.data.seq_len == 2048

@@ -543,3 +543,27 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
     ckpt = load_checkpoint(str(workdir))
     assert ckpt.step == good
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(ckpt.state["params"]))
+
+
+def test_failed_save_keeps_previous_checkpoint_usable(builtin_dataset, tmp_path, monkeypatch):
+    """A storage failure while saving step 20 stops the run with a clear error; step 10 stays restorable."""
+    import orbax.checkpoint as ocp
+
+    real_save = ocp.CheckpointManager.save
+
+    def failing_save(self, step, *args, **kwargs):
+        if step == 20:
+            raise OSError("No space left on device")
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing_save)
+    workdir = str(tmp_path / "run")
+    cfg = config_with(builtin_dataset, steps=30, checkpoint_every=10, log_every=5)
+    with pytest.raises(TrainError, match=r"saving step 20 failed .*No space left.*step 10"):
+        train(cfg, workdir)
+    assert checkpoint_steps(workdir) == [10]
+    restored = load_checkpoint(workdir)
+    assert restored.step == 10 and all(np.isfinite(x).all() for x in jax.tree.leaves(restored.state["params"]))
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+    result = train(cfg, workdir)  # the next run resumes from step 10 and finishes
+    assert result["step"] == 30 and checkpoint_steps(workdir)[-1] == 30

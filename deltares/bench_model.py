@@ -20,13 +20,6 @@ from deltares.config import MODES
 from deltares.losses import lm_loss
 from deltares.model import Transformer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
-_SEQ = flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
-_STEPS = flags.DEFINE_integer("steps", 4, "Timed steps per mode per round.")
-_MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
-
 
 def make_step(model_cfg, tokens_BT):
     """A jitted forward+backward step of `model_cfg` and its initial parameters."""
@@ -88,5 +81,11 @@ def main(argv):
         print(f"| {mode} | {med * 1e3:.1f} | {tokens / med:,.0f} | {med / base:.3f}x | {compile_s:.1f} |")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py.")
+    _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
+    _SEQ = flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
+    _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
+    _STEPS = flags.DEFINE_integer("steps", 4, "Timed steps per mode per round.")
+    _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
     app.run(main)

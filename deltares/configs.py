@@ -60,6 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
             seed=0,
             init_from="",  # a workdir or checkpoint directory to take parameters from
             force=False,  # resume a workdir whose checkpoint has another config
+            mesh=dict(data=1, fsdp=-1, tensor=1),  # device mesh; -1 takes the remaining devices
             data=dict(
                 dataset="builtin",  # a prepared dataset directory, or "builtin" (Moby-Dick, prepared into the workdir)
                 tokenizer="bpe:4096",  # used only to prepare the built-in corpus

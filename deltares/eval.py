@@ -75,12 +75,6 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches:
     return {"step": ckpt.step, **metrics}
 
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
-_DATA = flags.DEFINE_string("data", None, "A prepared dataset directory or a plain text file.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per evaluation batch.")
-_MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches.")
-
-
 def main(argv):
     del argv
     if not _CHECKPOINT.value or not _DATA.value:
@@ -93,5 +87,9 @@ def main(argv):
     print(f"step {m['step']}: loss {m['val_loss']:.4f}  perplexity {m['val_ppl']:.2f}  bits/byte {m['val_bpb']:.4f}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+    _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
+    _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory or a plain text file.")
+    _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per evaluation batch.")
+    _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches.")
     app.run(main)

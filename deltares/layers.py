@@ -53,6 +53,22 @@ def apply_rope(x_BTNH, cos_TH, sin_TH):
     return out.astype(x_BTNH.dtype)
 
 
+class Projection(nn.Module):
+    """y = einsum(spec, x, kernel) with a kernel of `shape` and logical `names`, no bias.
+    (flax's DenseGeneral initialises a flattened kernel, which clashes with 3-axis names.)"""
+
+    spec: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", _param_init(dense_init, self.names), self.shape, self.param_dtype)
+        return jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with per-head q/k RMSNorm and rotary embeddings."""
 
@@ -66,10 +82,10 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, cos_TH, sin_TH):
         D = x_BTD.shape[-1]
-        common = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False)
+        common = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
         def proj(name, heads, names):
-            return nn.DenseGeneral((heads, self.head_dim), kernel_init=_param_init(dense_init, names), name=name, **common)
+            return Projection("btd,dnh->btnh", (D, heads, self.head_dim), names, name=name, **common)
 
         q_BTNH = proj("q_proj", self.n_heads, ("embed", "heads", "head_dim"))(x_BTD)
         k_BTKH = proj("k_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
@@ -79,13 +95,8 @@ class Attention(nn.Module):
         k_BTKH = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKH), cos_TH, sin_TH)
         q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "length", "heads", "head_dim"))
         out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
-        return nn.DenseGeneral(
-            D,
-            axis=(-2, -1),
-            kernel_init=_param_init(dense_init, ("heads", "head_dim", "embed")),
-            name="o_proj",
-            **common,
-        )(out_BTNH)
+        o_shape = (self.n_heads, self.head_dim, D)
+        return Projection("btnh,nhd->btd", o_shape, ("heads", "head_dim", "embed"), name="o_proj", **common)(out_BTNH)
 
 
 class MLP(nn.Module):

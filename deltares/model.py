@@ -17,7 +17,7 @@ import ml_collections
 from deltares.config import dtype_of, validate_model_config
 from deltares.decoder import DecoderLayer, init_depth_state
 from deltares.depth import depth_scan
-from deltares.layers import DepthRouter, RMSNorm, _param_init, dense_init, rope_tables
+from deltares.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
 from deltares.residual import plan_for
 
 REMAT_POLICIES = {
@@ -103,13 +103,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             logits_BTV = embed.attend(x_BTD)
         else:
-            logits_BTV = nn.DenseGeneral(
-                cfg.vocab_size,
-                use_bias=False,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                kernel_init=_param_init(dense_init, ("embed", "vocab")),
-                name="lm_head",
+            logits_BTV = Projection(
+                "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype, param_dtype, name="lm_head"
             )(x_BTD)
         logits_BTV = logits_BTV.astype(jnp.float32)
         if not return_stats:

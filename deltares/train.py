@@ -32,10 +32,20 @@ from deltares.data.dataset import TokenData, eval_batches, train_dataset, train_
 from deltares.data.prepare import BUILTIN, DataError, prepare
 from deltares.eval import evaluate
 from deltares.metrics import MetricsWriter, model_flops_per_token, peak_flops_per_device
-from deltares.steps import build, make_eval_step, make_init, make_stats_step, make_train_step
+from deltares.sharding import MeshStep, make_mesh, shard_batch, sharded_train_step
+from deltares.steps import make_eval_step, make_stats_step
 
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.
 RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "train.global_batch")
+
+
+def initialize_distributed() -> None:
+    """Joins the other hosts of a multi-host job (TPU pod slice, SLURM, ...); nothing on one host."""
+    try:
+        jax.distributed.initialize()
+    except (ValueError, RuntimeError) as err:  # no cluster detected: a single-host run
+        if "coordinator" not in str(err).lower() and "cluster" not in str(err).lower():
+            raise
 
 
 def say(message: str) -> None:
@@ -165,7 +175,9 @@ def train(cfg, workdir: str) -> dict:
 
 def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     t = cfg.train
-    model, tx, schedules = build(cfg)
+    mesh = make_mesh(cfg.mesh)
+    training = sharded_train_step(cfg, mesh)
+    model, tx, schedules = training.model, training.tx, training.schedules
     start = ckpt.latest_step()
 
     train_ds = train_dataset(
@@ -174,16 +186,15 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     val = eval_batches(data.tokens("val"), cfg.data.seq_len, max(1, t.global_batch // t.micro_batches), t.eval_batches)
     data_iter = train_iterator(train_ds, cfg.data.prefetch)
 
-    init = jax.jit(make_init(model, tx, cfg.data.seq_len))
     if start is None:
-        state = init(cfg.seed)
+        state = training.init(cfg.seed)
         if cfg.init_from:
-            state["params"] = _init_from(cfg.init_from, state["params"])
-            state["opt_state"] = tx.init(state["params"])
+            params = _init_from(cfg.init_from, state["params"])
+            state = jax.device_put({**state, "params": params, "opt_state": tx.init(params)}, training.state_shardings)
         start = 0
     else:
         _check_resumable(ckpt.config(start), cfg, workdir)
-        abstract_state = jax.eval_shape(init, cfg.seed)
+        abstract_state = training.abstract_state
         try:
             ckpt.check_params(start, abstract_state["params"])
         except ValueError as err:
@@ -192,9 +203,9 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
         data_iter.set_state(data_state)
         say(f"resumed {workdir} from step {start}")
 
-    train_step = jax.jit(make_train_step(model, tx, t.micro_batches), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(model))
-    stats_step = jax.jit(make_stats_step(model))
+    train_step = training.step
+    eval_step = MeshStep(jax.jit(make_eval_step(model)), mesh)
+    stats_step = MeshStep(jax.jit(make_stats_step(model)), mesh)
     all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     writer = MetricsWriter(workdir, resume_step=start)
     tokens_per_step = t.global_batch * cfg.data.seq_len
@@ -219,7 +230,7 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     try:
         while step < t.steps:
             batch = next(data_iter)
-            state, out = train_step(state, batch)
+            state, out = train_step(state, shard_batch(batch, training.batch_sharding))
             step += 1
             bar.update(1)
             pending.append((step, out))
@@ -281,15 +292,12 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(data.tokens("train"), data.tokens("val"), data.vocab_size)}
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py:delta_block.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard events.")
-
-
 def main(argv):
     del argv
     if _CONFIG.value is None or not _WORKDIR.value:
         raise app.UsageError("--config and --workdir are required")
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every save at INFO
+    initialize_distributed()
     try:
         result = train(_CONFIG.value, _WORKDIR.value)
     except (TrainError, DataError, FileNotFoundError) as err:
@@ -301,5 +309,7 @@ def main(argv):
         )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py:delta_block.")
+    _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard events.")
     app.run(main)

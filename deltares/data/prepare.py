@@ -224,16 +224,6 @@ def prepare(
     return meta
 
 
-_SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text files or globs (comma-separated), or hf:NAME.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
-_OUT = flags.DEFINE_string("out", None, "Output directory.")
-_VAL = flags.DEFINE_float("val_fraction", 0.02, "Fraction of documents held out for validation.")
-_HF_CONFIG = flags.DEFINE_string("hf_config", None, "Hugging Face dataset configuration name.")
-_HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to stream.")
-_HF_FIELD = flags.DEFINE_string("hf_field", "text", "Record field holding the text.")
-_MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Stop after this many documents.")
-
-
 def main(argv):
     del argv
     if not _OUT.value:
@@ -254,5 +244,13 @@ def main(argv):
     print(json.dumps(meta["splits"]), "->", os.path.abspath(_OUT.value))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+    _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text files or globs (comma-separated), or hf:NAME.")
+    _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
+    _OUT = flags.DEFINE_string("out", None, "Output directory.")
+    _VAL = flags.DEFINE_float("val_fraction", 0.02, "Fraction of documents held out for validation.")
+    _HF_CONFIG = flags.DEFINE_string("hf_config", None, "Hugging Face dataset configuration name.")
+    _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to stream.")
+    _HF_FIELD = flags.DEFINE_string("hf_field", "text", "Record field holding the text.")
+    _MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Stop after this many documents.")
     app.run(main)

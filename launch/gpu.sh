@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Train deltares on one local NVIDIA GPU: create (or reuse) a virtual environment, install
+# the requirements plus the CUDA build of the pinned jax, check that JAX sees a GPU, train.
+# See launch/README.md.
+#
+#   launch/gpu.sh --config experiments/s220m.py:delta_block --workdir runs/x [-- --config.key=value ...]
+set -euo pipefail
+
+src=${BASH_SOURCE[0]}
+[[ $src == */* ]] || src=./$src
+ROOT=$(cd "${src%/*}/.." && pwd)
+CONFIG=${DELTARES_CONFIG:-}
+WORKDIR=${DELTARES_WORKDIR:-}
+VENV=${DELTARES_VENV:-$ROOT/.venv}
+PYTHON=${DELTARES_PYTHON:-python3}
+CUDA=${DELTARES_CUDA:-12}
+GPU=${DELTARES_GPU:-}
+INSTALL=1 DRY=0 EXTRA=()
+
+usage() {
+  cat <<'EOF'
+Usage: launch/gpu.sh [options] [-- train overrides...]
+  --config FILE:MODE e.g. experiments/s220m.py:delta_block (env DELTARES_CONFIG)  required
+  --workdir DIR      run directory, relative to the repository root (env DELTARES_WORKDIR) required
+  --venv DIR         virtual environment to create/reuse (env DELTARES_VENV; default .venv)
+  --python PY        Python >= 3.11 that creates the venv (env DELTARES_PYTHON; default python3)
+  --cuda 12|13       CUDA major version of the jax build (env DELTARES_CUDA; default 12)
+  --gpu ID           use only this GPU (sets CUDA_VISIBLE_DEVICES; env DELTARES_GPU)
+  --skip-install     reuse the venv as it is
+  --dry-run          print every command instead of running it
+Everything after `--` is passed to `python -m deltares.train`.
+EOF
+}
+die() { echo "gpu.sh: error: $*" >&2; exit 2; }
+
+# Shell-quote each argument (POSIX single quotes), for printing.
+quote() {
+  local a out=()
+  for a in "$@"; do
+    if [[ $a =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$a"); else out+=("'${a//\'/\'\\\'\'}'"); fi
+  done
+  echo "${out[*]}"
+}
+run() { if ((DRY)); then echo "+ $(quote "$@")"; else "$@"; fi; }
+
+while (($#)); do
+  opt=$1
+  if [[ $opt == --*=* ]]; then set -- "${opt%%=*}" "${opt#*=}" "${@:2}"; opt=$1; fi
+  case $opt in
+    --config | --workdir | --venv | --python | --cuda | --gpu)
+      (($# >= 2)) || die "$opt needs a value"
+      var=${opt#--}
+      printf -v "${var^^}" '%s' "$2" # --cuda 13  ->  CUDA=13
+      shift 2 ;;
+    --skip-install) INSTALL=0; shift ;;
+    --dry-run) DRY=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) die "unknown argument '$opt' (see --help; train overrides go after --)" ;;
+  esac
+done
+
+missing=()
+[[ -n $CONFIG ]] || missing+=(--config)
+[[ -n $WORKDIR ]] || missing+=(--workdir)
+((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
+[[ $CUDA == 12 || $CUDA == 13 ]] || die "--cuda must be 12 or 13, not '$CUDA'"
+[[ -f $ROOT/${CONFIG%%:*} ]] || die "config file ${CONFIG%%:*} not found (give it relative to the repository root $ROOT)"
+JAX_VERSION=$(sed -n 's/^jax==\([^ ;#]*\).*/\1/p' "$ROOT/requirements.txt")
+[[ -n $JAX_VERSION ]] || die "no jax==VERSION pin in requirements.txt"
+py=$VENV/bin/python
+run cd "$ROOT" # configs, relative workdirs and venvs are relative to the repository root
+
+if ((INSTALL)); then
+  if [[ ! -x $py ]]; then
+    ((DRY)) || command -v "$PYTHON" >/dev/null || die "$PYTHON not found on PATH (pass --python)"
+    run "$PYTHON" -m venv "$VENV"
+  fi
+  if ((!DRY)) && ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    die "$VENV uses Python < 3.11 (jax $JAX_VERSION needs >= 3.11); pass --python python3.11 and a new --venv"
+  fi
+  run "$py" -m pip install -q -U pip
+  run "$py" -m pip install -q -r requirements.txt
+  run "$py" -m pip install -q "jax[cuda$CUDA]==$JAX_VERSION"
+elif ((!DRY)) && [[ ! -x $py ]]; then
+  die "--skip-install but $VENV has no bin/python"
+fi
+
+env=(env)
+[[ -z $GPU ]] || env+=("CUDA_VISIBLE_DEVICES=$GPU")
+run "${env[@]}" "$py" -c 'import jax, sys; d = jax.devices(); print("jax", jax.__version__, d); sys.exit(d[0].platform != "gpu" and "gpu.sh: error: JAX sees no GPU (driver? --cuda 12/13?)")'
+train=("${env[@]}" "$py" -m deltares.train --config "$CONFIG" --workdir "$WORKDIR" "${EXTRA[@]}")
+if ((DRY)); then run "${train[@]}"; else exec "${train[@]}"; fi

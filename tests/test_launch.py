@@ -1,0 +1,351 @@
+"""launch/tpu.sh and launch/gpu.sh: the commands they print (--dry-run) and run.
+
+No cloud and no GPU needed: the real (non-dry) paths run against a fake `gcloud` on
+PATH, or a fake venv `python`, that log their arguments.
+"""
+
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TPU = os.path.join(ROOT, "launch", "tpu.sh")
+GPU = os.path.join(ROOT, "launch", "gpu.sh")
+BASH = shutil.which("bash")
+SEP = "\x1f"  # the fakes join their arguments with this
+
+
+def jax_pin():
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        return next(line.split("==")[1].strip() for line in f if line.startswith("jax=="))
+
+
+TPU_ARGS = ["--name", "run1", "--zone", "us-east5-a", "--type", "v5p-8",
+            "--config", "experiments/s7b6.py:delta_block", "--workdir", "gs://bucket/run"]
+OVERRIDES = ["--config.train.steps=10", "--config.data.dataset=/data/my corpus", "--config.note=it's \"quoted\" $HOME"]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARES_")}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def path_without_gcloud(tmp_path_factory):
+    """A PATH with every executable of the current one except gcloud."""
+    bindir = tmp_path_factory.mktemp("bin")
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            src, dst = os.path.join(d, name), bindir / name
+            if name != "gcloud" and not dst.exists() and os.path.isfile(src) and os.access(src, os.X_OK):
+                dst.symlink_to(src)
+    return str(bindir)
+
+
+def run(script, args, env=None, cwd=ROOT):
+    return subprocess.run([BASH, script, *args], capture_output=True, text=True, env=env or clean_env(), cwd=cwd)
+
+
+def commands(stdout):
+    """The printed commands of a --dry-run, each as an argv list."""
+    return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ ")]
+
+
+def find(cmds, *words):
+    found = [c for c in cmds if all(w in c for w in words)]
+    assert len(found) == 1, (words, cmds)
+    return found[0]
+
+
+def opt(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def train_argv(command):
+    """The argv of `python -m deltares.train ...` inside a remote shell command."""
+    words = shlex.split(command)
+    return words[words.index("-m") + 1:]
+
+
+def check_one_line_error(res, *needles):
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    assert "+ " not in res.stdout
+
+
+# ---------------------------------------------------------------- tpu.sh --dry-run
+
+
+def test_tpu_dry_run_prints_every_step(path_without_gcloud):
+    res = run(TPU, ["--dry-run", *TPU_ARGS, "--", *OVERRIDES], env=clean_env(PATH=path_without_gcloud))
+    assert res.returncode == 0, res.stderr
+    cmds = commands(res.stdout)
+    assert all(c[:4] == ["gcloud", "compute", "tpus", "tpu-vm"] for c in cmds if c[0] == "gcloud")
+
+    describe = find(cmds, "describe")
+    assert describe[5] == "run1" and opt(describe, "--zone") == "us-east5-a"
+    create = find(cmds, "create")
+    assert create[5] == "run1" and opt(create, "--zone") == "us-east5-a"
+    assert opt(create, "--accelerator-type") == "v5p-8" and opt(create, "--version") == "v2-alpha-tpuv5"
+    assert "--spot" not in create and "--project" not in create
+
+    scp = find(cmds, "scp")
+    assert "--worker=all" in scp and opt(scp, "--zone") == "us-east5-a"
+    assert scp[5].endswith(".tgz") and scp[6] == "run1:deltares.tgz"
+
+    ssh = [c for c in cmds if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]]
+    assert len(ssh) == 2
+    for c in ssh:
+        assert c[5] == "run1" and "--worker=all" in c and opt(c, "--zone") == "us-east5-a"
+        subprocess.run([BASH, "-n", "-c", opt(c, "--command")], check=True)  # valid shell
+    install, train = (opt(c, "--command") for c in ssh)
+    assert "tar -xzf deltares.tgz -C deltares" in install
+    assert "pip install -q -r deltares/requirements.txt" in install
+    assert f"jax[tpu]=={jax_pin()}" in shlex.split(install.replace(";", " ; "))
+    assert train_argv(train) == ["deltares.train", "--config", "experiments/s7b6.py:delta_block",
+                                 "--workdir", "gs://bucket/run", *OVERRIDES]
+    assert train.startswith("cd deltares && exec ")
+    # The order: create/describe, copy, install, train.
+    order = [cmds.index(c) for c in (describe, create, scp, ssh[0], ssh[1])]
+    assert order == sorted(order)
+
+
+def test_tpu_settings_from_env_and_equals_flags(path_without_gcloud):
+    env = clean_env(PATH=path_without_gcloud, DELTARES_TPU_NAME="envname", DELTARES_TPU_ZONE="europe-west4-a",
+                    DELTARES_TPU_TYPE="v6e-16", DELTARES_CONFIG="experiments/s220m.py:delta",
+                    DELTARES_WORKDIR="/mnt/runs/a", DELTARES_TPU_PROJECT="proj")
+    res = run(TPU, ["--dry-run", "--zone=us-central2-b", "--spot"], env=env)
+    assert res.returncode == 0, res.stderr
+    cmds = commands(res.stdout)
+    create = find(cmds, "create")
+    assert create[5] == "envname" and opt(create, "--zone") == "us-central2-b"  # flag beats env
+    assert opt(create, "--version") == "v2-alpha-tpuv6e" and "--spot" in create
+    for c in cmds:
+        if c[0] == "gcloud":
+            assert opt(c, "--project") == "proj"
+    train = opt([c for c in cmds if "ssh" in c][-1], "--command")
+    assert train_argv(train) == ["deltares.train", "--config", "experiments/s220m.py:delta", "--workdir", "/mnt/runs/a"]
+
+
+@pytest.mark.parametrize("tpu_type,version", [("v5litepod-8", "v2-alpha-tpuv5-lite"), ("v4-32", "tpu-ubuntu2204-base")])
+def test_tpu_default_runtime_version(tpu_type, version):
+    args = [a if a != "v5p-8" else tpu_type for a in TPU_ARGS]
+    res = run(TPU, ["--dry-run", *args])
+    assert res.returncode == 0, res.stderr
+    assert opt(find(commands(res.stdout), "create"), "--version") == version
+
+
+def test_tpu_unknown_type_needs_version():
+    args = [a if a != "v5p-8" else "v9z-8" for a in TPU_ARGS]
+    check_one_line_error(run(TPU, ["--dry-run", *args]), "--version")
+    res = run(TPU, ["--dry-run", *args, "--version", "my-runtime"])
+    assert res.returncode == 0, res.stderr
+    assert opt(find(commands(res.stdout), "create"), "--version") == "my-runtime"
+
+
+def test_tpu_detach_runs_in_background():
+    res = run(TPU, ["--dry-run", "--detach", *TPU_ARGS])
+    train = opt([c for c in commands(res.stdout) if "ssh" in c][-1], "--command")
+    assert train.startswith("cd deltares && nohup ") and "> ../deltares-train.log 2>&1 < /dev/null &" in train
+    subprocess.run([BASH, "-n", "-c", train], check=True)
+
+
+@pytest.mark.parametrize("flag", ["--name", "--zone", "--type", "--config", "--workdir"])
+def test_tpu_missing_setting_is_a_one_line_error(flag):
+    i = TPU_ARGS.index(flag)
+    args = TPU_ARGS[:i] + TPU_ARGS[i + 2:]
+    res = run(TPU, ["--dry-run", *args])
+    check_one_line_error(res, "missing", flag)
+    assert res.returncode == 2
+
+
+def test_tpu_bad_arguments():
+    check_one_line_error(run(TPU, ["--dry-run", *TPU_ARGS, "--zone"]), "--zone needs a value")
+    check_one_line_error(run(TPU, ["--dry-run", *TPU_ARGS, "--bogus"]), "--bogus")
+    args = [a if a != "experiments/s7b6.py:delta_block" else "experiments/nope.py:x" for a in TPU_ARGS]
+    check_one_line_error(run(TPU, ["--dry-run", *args]), "experiments/nope.py")
+    assert run(TPU, ["--help"]).returncode == 0
+
+
+def test_tpu_without_gcloud_is_a_clear_error(path_without_gcloud):
+    res = run(TPU, TPU_ARGS, env=clean_env(PATH=path_without_gcloud))
+    check_one_line_error(res, "gcloud not found")
+
+
+# ---------------------------------------------------------------- tpu.sh with a fake gcloud
+
+FAKE_GCLOUD = f"""#!/usr/bin/env bash
+{{ printf '%s{SEP}' "$@"; echo; }} >> "$FAKE_LOG"
+[[ $4 != "${{FAKE_FAIL:-}}" ]] || exit 1
+case "$4" in
+  describe) [[ -n ${{FAKE_STATE:-}} ]] || exit 1; echo "$FAKE_STATE" ;;
+  scp) cp "$5" "$FAKE_TARBALL" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_gcloud(tmp_path, path_without_gcloud):
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    (bindir / "gcloud").write_text(FAKE_GCLOUD)
+    (bindir / "gcloud").chmod(0o755)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    log, tarball = tmp_path / "gcloud.log", tmp_path / "copied.tgz"
+
+    def launch(*args, state="", fail="none"):
+        env = clean_env(PATH=f"{bindir}{os.pathsep}{path_without_gcloud}", FAKE_LOG=str(log),
+                        FAKE_TARBALL=str(tarball), FAKE_STATE=state, FAKE_FAIL=fail, TMPDIR=str(tmpdir))
+        res = run(TPU, list(args), env=env, cwd=str(tmp_path))
+        calls = [line.split(SEP)[:-1] for line in log.read_text().splitlines()] if log.exists() else []
+        assert not os.listdir(tmpdir), "the tarball was not cleaned up"
+        return res, calls
+
+    launch.tarball = tarball
+    return launch
+
+
+def test_tpu_creates_copies_installs_and_trains(fake_gcloud):
+    res, calls = fake_gcloud(*TPU_ARGS, "--spot", "--", *OVERRIDES)
+    assert res.returncode == 0, res.stderr
+    assert [c[3] for c in calls] == ["describe", "create", "scp", "ssh", "ssh"]
+    assert calls[0] == ["compute", "tpus", "tpu-vm", "describe", "run1", "--zone", "us-east5-a", "--format=value(state)"]
+    assert calls[1] == ["compute", "tpus", "tpu-vm", "create", "run1", "--zone", "us-east5-a",
+                        "--accelerator-type", "v5p-8", "--version", "v2-alpha-tpuv5", "--spot"]
+    assert calls[2][5:] == ["run1:deltares.tgz", "--zone", "us-east5-a", "--worker=all"]
+    for c in calls[3:]:
+        assert c[4:9] == ["run1", "--zone", "us-east5-a", "--worker=all", "--command"] and len(c) == 10
+    assert f"jax[tpu]=={jax_pin()}" in calls[3][9]
+    assert train_argv(calls[4][9]) == ["deltares.train", "--config", "experiments/s7b6.py:delta_block",
+                                       "--workdir", "gs://bucket/run", *OVERRIDES]
+
+    with tarfile.open(fake_gcloud.tarball) as tar:
+        names = set(tar.getnames())
+    assert {"requirements.txt", "deltares/train.py", "experiments/s7b6.py", "launch/tpu.sh"} <= names
+    assert not any(n.startswith((".git/", "runs/")) or "__pycache__" in n for n in names)
+
+
+def test_tpu_reuses_a_ready_tpu(fake_gcloud):
+    res, calls = fake_gcloud(*TPU_ARGS, state="READY")
+    assert res.returncode == 0, res.stderr
+    assert [c[3] for c in calls] == ["describe", "scp", "ssh", "ssh"]
+    assert "reusing" in res.stderr
+
+
+def test_tpu_refuses_a_tpu_that_is_not_ready(fake_gcloud):
+    res, calls = fake_gcloud(*TPU_ARGS, state="PREEMPTED")
+    check_one_line_error(res, "PREEMPTED", "run1")
+    assert [c[3] for c in calls] == ["describe"]
+
+
+@pytest.mark.parametrize("step", ["create", "scp", "ssh"])
+def test_tpu_stops_at_a_failing_gcloud_step(fake_gcloud, step):
+    res, calls = fake_gcloud(*TPU_ARGS, fail=step)
+    assert res.returncode != 0
+    assert calls[-1][3] == step and [c[3] for c in calls].count("ssh") <= 1
+
+
+# ---------------------------------------------------------------- gpu.sh
+
+GPU_ARGS = ["--config", "experiments/s220m.py:delta_block", "--workdir", "runs/x"]
+
+
+def test_gpu_dry_run_prints_every_step(tmp_path):
+    venv = str(tmp_path / "venv")
+    res = run(GPU, ["--dry-run", *GPU_ARGS, "--venv", venv, "--", *OVERRIDES], cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    cmds = commands(res.stdout)
+    py = f"{venv}/bin/python"
+    assert cmds[0] == ["cd", ROOT]
+    assert cmds[1] == ["python3", "-m", "venv", venv]
+    assert [py, "-m", "pip", "install", "-q", "-r", "requirements.txt"] in cmds
+    assert [py, "-m", "pip", "install", "-q", f"jax[cuda12]=={jax_pin()}"] in cmds
+    check = find(cmds, "-c")
+    assert check[:2] == ["env", py] and "jax.devices()" in check[-1]
+    assert cmds[-1] == ["env", py, "-m", "deltares.train", "--config", "experiments/s220m.py:delta_block",
+                        "--workdir", "runs/x", *OVERRIDES]
+
+
+def test_gpu_options(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    (venv / "bin" / "python").chmod(0o755)
+    res = run(GPU, ["--dry-run", *GPU_ARGS, f"--venv={venv}", "--cuda", "13", "--gpu", "1"])
+    assert res.returncode == 0, res.stderr
+    cmds = commands(res.stdout)
+    assert not any("venv" in c for c in cmds)  # reused
+    assert f"jax[cuda13]=={jax_pin()}" in cmds[-3]
+    assert cmds[-1][:2] == ["env", "CUDA_VISIBLE_DEVICES=1"]
+    res = run(GPU, ["--dry-run", *GPU_ARGS, f"--venv={venv}", "--skip-install"])
+    assert not any("pip" in c for c in commands(res.stdout))
+    env = clean_env(DELTARES_CONFIG="experiments/tiny.py:delta", DELTARES_WORKDIR="runs/y", DELTARES_VENV=str(venv))
+    res = run(GPU, ["--dry-run"], env=env)
+    assert commands(res.stdout)[-1][-4:] == ["--config", "experiments/tiny.py:delta", "--workdir", "runs/y"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (GPU_ARGS[2:], "--config"),
+    (GPU_ARGS[:2], "--workdir"),
+    ([*GPU_ARGS, "--cuda", "11"], "--cuda"),
+    ([*GPU_ARGS, "--gpu"], "--gpu needs a value"),
+    (["--config", "experiments/nope.py:x", "--workdir", "w"], "experiments/nope.py"),
+])
+def test_gpu_bad_settings_are_one_line_errors(args, needle):
+    check_one_line_error(run(GPU, ["--dry-run", *args]), needle)
+
+
+FAKE_PYTHON = f"""#!/usr/bin/env bash
+{{ printf '%s{SEP}' "$PWD" "${{CUDA_VISIBLE_DEVICES:-}}" "$@"; echo; }} >> "$FAKE_LOG"
+[[ "$*" != *jax.devices* || -z ${{FAKE_NO_GPU:-}} ]]
+"""
+
+
+@pytest.mark.parametrize("no_gpu", [False, True])
+def test_gpu_real_run_with_a_fake_venv(tmp_path, no_gpu):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    log = tmp_path / "python.log"
+    env = clean_env(FAKE_LOG=str(log), FAKE_NO_GPU="1" if no_gpu else "")
+    res = run(GPU, [*GPU_ARGS, "--venv", str(venv), "--gpu", "0", "--", "--config.train.steps=3"], env=env,
+              cwd=str(tmp_path))
+    calls = [line.split(SEP)[:-1] for line in log.read_text().splitlines()]
+    assert all(c[0] == ROOT for c in calls)  # run from the repository root
+    assert calls[0][2] == "-c" and "version_info" in calls[0][3]
+    assert calls[1][2:] == ["-m", "pip", "install", "-q", "-U", "pip"]
+    assert calls[2][2:] == ["-m", "pip", "install", "-q", "-r", "requirements.txt"]
+    assert calls[3][2:] == ["-m", "pip", "install", "-q", f"jax[cuda12]=={jax_pin()}"]
+    assert calls[4][1] == "0" and "jax.devices()" in calls[4][3]
+    if no_gpu:
+        assert res.returncode != 0 and len(calls) == 5
+    else:
+        assert res.returncode == 0, res.stderr
+        assert calls[5][1:] == ["0", "-m", "deltares.train", *GPU_ARGS, "--config.train.steps=3"]
+
+
+# ---------------------------------------------------------------- lint
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@pytest.mark.parametrize("script", [TPU, GPU])
+def test_shellcheck(script):
+    subprocess.run(["shellcheck", script], check=True)
+
+
+def test_scripts_are_executable():
+    for script in (TPU, GPU):
+        assert os.stat(script).st_mode & stat.S_IXUSR

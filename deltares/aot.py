@@ -1,0 +1,453 @@
+"""Ahead-of-time memory proof: compile the real train step for a TPU slice on a CPU-only machine.
+
+    python -m deltares.aot --config experiments/s7b6.py:delta_block --topology v5p:2x2x2
+    python -m deltares.aot --config experiments/s7b6.py:baseline --topology v6e:4x4 \
+        --config.model.remat=full --json
+    python -m deltares.aot --config experiments/debug.py --topology v5e:2x2 --mesh 1,2,2
+
+The train step is the one `deltares.train` runs (`deltares.sharding.sharded_train_step`:
+forward, backward, gradient clipping and the AdamW update, the state donated), lowered for
+the experiment's global batch and sequence length and compiled by the TPU compiler of
+`libtpu` (a PyPI wheel, pinned in requirements.txt) for compile-only devices of the
+topology (`jax.experimental.topologies`). Nothing runs on a TPU; no TPU is needed.
+
+Topology strings are libtpu's `generation:chips`, e.g. `v4:2x2x2`, `v5p:2x2x2`, `v5e:4x4`,
+`v6e:8x8`, `tpu7x:2x2x1`. v4 and v5p are compiled in megacore mode (one device per chip,
+as JAX uses them), the others with one device per TensorCore as libtpu lays them out.
+
+Reported, per device: arguments (the sharded train state and batch), outputs (the new
+state and the metrics), the bytes outputs share with donated arguments (aliased, counted
+once), temporaries (activations, gradients, optimizer scratch) and the program itself;
+total = arguments + outputs - aliased + temporaries + program. `hbm` is the HBM the
+compiler can allocate on one device, as the compiler states it (it is probed with a
+deliberately oversized program; a table of nominal per-chip HBM is the fallback).
+
+FLOPs per step are counted from the traced step (jaxpr): 2 * M * N * K for every matrix
+product of the global batch, a `scan`'s body times its length, rematerialised forwards
+included; elementwise work is left out. The compiler's own cost analysis is reported
+beside it (`xla_flops_per_step` = its per-device figure times the devices); it counts the
+body of a loop once, so with `scan_layers` it sees one layer of the stack.
+
+A program that does not fit is no error: the compiler's RESOURCE_EXHAUSTED is reported as
+`fits: false` with the compiler's figures. Exit status: 0 fits, 1 does not fit, 2 error.
+"""
+
+from __future__ import annotations
+
+import os
+
+# libtpu is used only as a compiler here: never touch TPU hardware, skip the cloud metadata
+# queries, and allow several compiling processes at once (libtpu otherwise takes a
+# machine-wide lock file). Set before jax (and with it libtpu) is loaded.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+GIB = 2**30
+
+# Nominal HBM of one JAX device (`device_kind`), used only when the compiler's own figure
+# cannot be had. Google Cloud TPU documentation: v2 8 GiB and v3 16 GiB per TensorCore,
+# v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB per chip, TPU7x 192 GiB per chip of two devices.
+NOMINAL_HBM_GIB = {
+    "TPU v2": 8,
+    "TPU v3": 16,
+    "TPU v4": 32,
+    "TPU v5 lite": 16,
+    "TPU v5e": 16,
+    "TPU v5": 95,
+    "TPU v5p": 95,
+    "TPU v6 lite": 32,
+    "TPU v6e": 32,
+    "TPU7x": 96,
+}
+MEGACORE_GENERATIONS = ("v4", "v5p", "v5")
+EXAMPLE_TOPOLOGIES = "v4:2x2x2, v5p:2x2x2, v5e:2x2, v5e:4x4, v6e:4x4, v6e:8x8"
+_TOPOLOGY_RE = re.compile(r"^([a-zA-Z0-9_ ]+):(\d+(?:x\d+){1,2})(_twisted|_untwisted)?$")
+
+
+class AotError(RuntimeError):
+    """A problem with the request (topology, config, mesh); the message says which."""
+
+
+# --------------------------------------------------------------------------- topology
+
+
+def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
+    """'v5p:2x2x2' -> ('v5p', (2, 2, 2)); raises AotError on anything else."""
+    match = _TOPOLOGY_RE.match(name.strip())
+    if not match:
+        raise AotError(
+            f"--topology={name!r} is not a TPU topology of the form GENERATION:AxB[xC], e.g. {EXAMPLE_TOPOLOGIES}"
+        )
+    dims = tuple(int(d) for d in match.group(2).split("x"))
+    if any(d < 1 for d in dims):
+        raise AotError(f"--topology={name!r}: every dimension must be at least 1")
+    return match.group(1).lower(), dims
+
+
+def _accelerator_type(generation: str, dims: tuple[int, ...]) -> str:
+    """The TPU_ACCELERATOR_TYPE a real slice of this shape reports (silences a libtpu warning)."""
+    chips = math.prod(dims)
+    if generation in ("v2", "v3", "v4", "v5p", "tpu7x"):
+        return f"{generation}-{chips * 2}"  # these count TensorCores
+    if generation == "v5e":
+        return f"v5litepod-{chips}"
+    if generation == "v6e":
+        return f"v6e-{chips}"
+    return ""
+
+
+def topology_devices(name: str) -> list:
+    """Compile-only devices of the TPU topology `name` (no TPU needed)."""
+    generation, dims = parse_topology(name)
+    if "TPU_ACCELERATOR_TYPE" not in os.environ and _accelerator_type(generation, dims):
+        os.environ["TPU_ACCELERATOR_TYPE"] = _accelerator_type(generation, dims)
+    from jax.experimental import topologies
+
+    kwargs = dict(
+        chip_config_name="megacore" if generation in MEGACORE_GENERATIONS else "default",
+        # a host holds 2x2 chips where the slice allows it, as on Cloud TPU VMs
+        chips_per_host_bounds=(2 if dims[0] % 2 == 0 else 1, 2 if dims[1] % 2 == 0 else 1, 1),
+    )
+    try:
+        return list(topologies.get_topology_desc(topology_name=name.strip(), platform="tpu", **kwargs).devices)
+    except RuntimeError as err:  # JaxRuntimeError from libtpu, or "JAX TPU support not installed"
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "not installed" in message:
+            message += " (pip install the libtpu pinned in requirements.txt)"
+        raise AotError(f"--topology={name!r}: {message}. Examples: {EXAMPLE_TOPOLOGIES}") from None
+
+
+# --------------------------------------------------------------------------- compiler figures
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+_SIZE = r"([\d.]+)\s*([KMGTP]?)(?:i?B)?"
+
+
+def _size(number: str, unit: str) -> int:
+    return int(float(number) * _UNITS[unit.upper()])
+
+
+def parse_oom(message: str) -> dict:
+    """The figures of a compiler RESOURCE_EXHAUSTED message: `required` (bytes the program
+    needs, as the compiler puts it), `required_what` (what that figure counts) and `hbm`."""
+    out: dict = {}
+    used = re.search(rf"Used {_SIZE} of {_SIZE} hbm", message)
+    if used:
+        out.update(required=_size(*used.group(1, 2)), hbm=_size(*used.group(3, 4)), required_what="total")
+    temps = re.search(rf"required for HLO temporaries \({_SIZE}\) exceeds available HBM \({_SIZE}\)", message)
+    if temps and "required" not in out:
+        out.update(required=_size(*temps.group(1, 2)), hbm=_size(*temps.group(3, 4)), required_what="temporaries")
+    if "hbm" not in out:
+        available = re.search(rf"available HBM \({_SIZE}\)", message) or re.search(rf"of {_SIZE} hbm", message)
+        if available:
+            out["hbm"] = _size(*available.group(1, 2))
+    return out
+
+
+def is_oom(err: BaseException) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
+
+
+def hbm_of(device) -> tuple[int | None, str]:
+    """(bytes the compiler may allocate on `device`, where the figure comes from). The
+    compiler states its limit when a program exceeds it, so a program that needs far more
+    than any chip has is compiled (a fraction of a second) to read it."""
+    probe = jax.jit(lambda x: jnp.sin(x) + jnp.cos(x)[::-1])
+    arg = jax.ShapeDtypeStruct((2**40 // 4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+        probe.lower(arg).compile()
+    except Exception as err:  # noqa: BLE001 - any failure falls back to the table
+        hbm = parse_oom(str(err)).get("hbm")
+        if hbm:
+            return hbm, "compiler"
+    nominal = NOMINAL_HBM_GIB.get(device.device_kind)
+    return (nominal * GIB, "nominal") if nominal else (None, "unknown")
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)  # ClosedJaxpr -> Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def jaxpr_flops(jaxpr) -> float:
+    """Matrix-product FLOPs of a jaxpr (2 * output size * contracted size per dot_general),
+    a scan's body counted `length` times, a cond's costliest branch, a while body once."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval
+            contracted = math.prod(lhs.shape[d] for d in lhs_contract)
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
+            continue
+        inner = [jaxpr_flops(sub) for sub in _subjaxprs(eqn)]
+        if not inner:
+            continue
+        if name == "cond":
+            total += max(inner)
+        elif name == "scan":
+            total += eqn.params["length"] * sum(inner)
+        else:
+            total += sum(inner)
+    return total
+
+
+# --------------------------------------------------------------------------- the proof
+
+
+def _mesh_config(cfg, override: str | None) -> ml_collections.ConfigDict:
+    if override:
+        parts = [p.strip() for p in override.split(",")]
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            sizes = []
+        if len(sizes) != 3:
+            raise AotError(
+                f"--mesh={override!r}: expected three integers DATA,FSDP,TENSOR (one may be -1), e.g. 1,-1,1"
+            )
+        return ml_collections.ConfigDict(dict(zip(("data", "fsdp", "tensor"), sizes)))
+    if "mesh" in cfg and cfg.mesh is not None:
+        return cfg.mesh
+    return ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+
+
+def _per_device_bytes(abstract_tree) -> int:
+    """Bytes of one device's shards of a tree of ShapeDtypeStructs with shardings (the largest
+    shard, where uneven)."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract_tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _training(cfg, mesh):
+    """(step, abstract_state, batch_sharding) of deltares.sharding for `cfg` on `mesh`."""
+    from deltares.sharding import sharded_train_step
+
+    out = sharded_train_step(cfg, mesh)
+    if hasattr(out, "step"):
+        return out.step, out.abstract_state, out.batch_sharding
+    step, abstract_state, _, batch_sharding = out[:4]
+    return step, abstract_state, batch_sharding
+
+
+def _trace(step, *args):
+    """`jax.stages.Traced` of the sharded step: traced as `step.lower` traces it (in its mesh and
+    the logical axis rules of deltares.sharding)."""
+    if hasattr(step, "trace"):
+        return step.trace(*args)
+    import flax.linen as nn
+
+    from deltares.sharding import LOGICAL_RULES
+
+    with jax.set_mesh(step.mesh), nn.logical_axis_rules(LOGICAL_RULES):
+        return step.fn.trace(*args)
+
+
+def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: str = "") -> dict:
+    """Compiles the train step of `cfg` for `topology` and returns the report (see module doc)."""
+    from deltares.metrics import model_flops_per_token
+    from deltares.sharding import make_mesh
+
+    devices = topology_devices(topology)
+    mesh_cfg = _mesh_config(cfg, mesh_override)
+    try:
+        mesh = make_mesh(mesh_cfg, devices)
+    except ValueError as err:
+        raise AotError(f"mesh for {len(devices)} devices of {topology}: {err}") from None
+    t = cfg.train
+    global_batch, seq_len = t.global_batch, cfg.data.seq_len
+    batch_ways = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    if global_batch % batch_ways:
+        raise AotError(
+            f"config.train.global_batch={global_batch} does not split over data x fsdp = {batch_ways} devices of "
+            f"mesh {dict(mesh.shape)}; pass --config.train.global_batch or --mesh"
+        )
+    if global_batch % t.micro_batches or (global_batch // t.micro_batches) % batch_ways:
+        raise AotError(
+            f"a micro-batch of {global_batch} / micro_batches={t.micro_batches} rows does not split over "
+            f"data x fsdp = {batch_ways} devices"
+        )
+    device = devices[0]
+    hbm, hbm_source = hbm_of(device)
+    try:
+        step, abstract_state, batch_sharding = _training(cfg, mesh)
+    except ValueError as err:
+        raise AotError(f"config: {err}") from None
+    batch = jax.ShapeDtypeStruct((global_batch, seq_len + 1), jnp.int32, sharding=batch_sharding)
+
+    report = dict(
+        config=config_name,
+        scale=cfg.get("scale", ""),
+        mode=cfg.model.residual.mode,
+        topology=topology,
+        device_kind=device.device_kind,
+        devices=len(devices),
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        global_batch=global_batch,
+        seq_len=seq_len,
+        micro_batches=t.micro_batches,
+        remat=cfg.model.remat,
+        dtype=cfg.model.dtype,
+        params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state["params"])),
+        hbm_bytes=hbm,
+        hbm_source=hbm_source,
+    )
+
+    start = time.perf_counter()
+    flops = jaxpr_flops(_trace(step, abstract_state, batch).jaxpr.jaxpr)
+    report["flops_per_step"] = flops
+    report["flops_per_device"] = flops / len(devices)
+    report["model_flops_per_step"] = model_flops_per_token(cfg.model, seq_len) * global_batch * seq_len
+    lowered = step.lower(abstract_state, batch)
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # noqa: BLE001 - JaxRuntimeError; anything but an OOM is re-raised
+        if not is_oom(err):
+            raise
+        report["compile_seconds"] = round(time.perf_counter() - start, 1)
+        figures = parse_oom(str(err))
+        args = _per_device_bytes((abstract_state, batch))
+        required = figures.get("required")
+        if required is not None and figures.get("required_what") == "temporaries":
+            required += args  # the compiler names only its temporaries; the state is there too
+        if figures.get("hbm"):
+            report.update(hbm_bytes=figures["hbm"], hbm_source="compiler")
+        report.update(
+            fits=False,
+            per_device_bytes=required,
+            argument_bytes=args,
+            compiler_message=str(err).strip()[:4000],
+        )
+        return report
+    report["compile_seconds"] = round(time.perf_counter() - start, 1)
+    mem = compiled.memory_analysis()
+    parts = dict(
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        code_bytes=int(mem.generated_code_size_in_bytes),
+    )
+    total = sum(parts.values()) - 2 * parts["alias_bytes"]  # aliased bytes are counted once, in the arguments
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    xla_flops = float((cost or {}).get("flops", math.nan))
+    report.update(parts)
+    report.update(
+        per_device_bytes=total,
+        fits=bool(hbm is not None and total <= hbm),
+        xla_flops_per_device=xla_flops,
+        xla_flops_per_step=xla_flops * len(devices),
+    )
+    return report
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _gib(n) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f}{unit}"
+    return str(n)
+
+
+def format_report(r: dict) -> str:
+    mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    lines = [
+        f"{r['config'] or r['scale']}: {_count(r['params'])} parameters, mode {r['mode']}, remat {r['remat']}, "
+        f"compute {r['dtype']}",
+        f"topology {r['topology']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
+        f"step: global batch {r['global_batch']} x {r['seq_len']} tokens, {r['micro_batches']} micro-batch(es); "
+        f"traced and compiled in {r['compile_seconds']:.0f} s",
+        "",
+    ]
+    source = {"compiler": "as the compiler states it", "nominal": "nominal, the compiler's figure was not had"}
+    hbm = f"{_gib(r['hbm_bytes'])} HBM ({source.get(r['hbm_source'], r['hbm_source'])})"
+    if "temp_bytes" in r:
+        share = f", {100 * r['per_device_bytes'] / r['hbm_bytes']:.0f}%" if r["hbm_bytes"] else ""
+        lines += [
+            "per device:",
+            f"  arguments    {_gib(r['argument_bytes']):>12}",
+            f"  outputs      {_gib(r['output_bytes']):>12}",
+            f"  aliased      {'-' + _gib(r['alias_bytes']):>12}  (outputs written into donated arguments)",
+            f"  temporaries  {_gib(r['temp_bytes']):>12}",
+            f"  program      {_gib(r['code_bytes']):>12}",
+            f"  total        {_gib(r['per_device_bytes']):>12}  of {hbm}{share}",
+        ]
+    else:
+        first = r["compiler_message"].splitlines()[0]
+        lines += [
+            f"the compiler ran out of HBM: {first}",
+            f"per device: at least {_gib(r['per_device_bytes'])} of {hbm}",
+        ]
+    lines += [
+        "",
+        f"FLOPs per step: {r['flops_per_step']:.3e} ({r['flops_per_device']:.3e} per device; matrix products of the "
+        f"traced step); 6N+attention estimate {r['model_flops_per_step']:.3e}",
+        f"fits: {'yes' if r['fits'] else 'NO'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+        sys.exit(2)
+    if _CONFIG.value is None or not _TOPOLOGY.value:
+        example = "--config experiments/s7b6.py:delta_block --topology v5p:2x2x2"
+        print(f"error: --config and --topology are required, e.g. {example}", file=sys.stderr)
+        sys.exit(2)
+    logging.set_verbosity(logging.WARNING)
+    name = getattr(flags.FLAGS["config"], "config_filename", "")  # 'experiments/s7b6.py:delta_block'
+    try:
+        report = analyze(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name)
+    except AotError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(report) if _JSON.value else format_report(report), flush=True)
+    sys.exit(0 if report["fits"] else 1)
+
+
+if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block.")
+    _TOPOLOGY = flags.DEFINE_string("topology", None, f"TPU topology, e.g. {EXAMPLE_TOPOLOGIES}.")
+    _MESH = flags.DEFINE_string(
+        "mesh", None, "DATA,FSDP,TENSOR mesh sizes (one may be -1); default config.mesh, else fsdp over all devices."
+    )
+    _JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
+    app.run(main)

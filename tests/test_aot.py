@@ -1,0 +1,155 @@
+"""The ahead-of-time TPU memory proof (`python -m deltares.aot`).
+
+The compiles run in subprocesses: libtpu is loaded there as a compiler for compile-only
+TPU devices and never meets the CPU backend of the other tests. Each takes seconds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from deltares import aot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+needs_libtpu = pytest.mark.skipif(
+    not __import__("importlib.util").util.find_spec("libtpu"), reason="libtpu is not installed (requirements.txt)"
+)
+
+
+def run_aot(*args, timeout=300):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltares.aot", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc
+
+
+def report_of(proc):
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON report; stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return json.loads(lines[-1])
+
+
+@needs_libtpu
+def test_debug_config_fits_a_small_slice():
+    proc = run_aot("--config", "experiments/debug.py:delta_block", "--topology", "v5e:2x2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = report_of(proc)
+    assert r["fits"] is True
+    assert r["devices"] == 4 and r["device_kind"] == "TPU v5 lite"
+    assert r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}  # default: FSDP over every device
+    assert (r["global_batch"], r["seq_len"]) == (4, 32)  # the experiment's own batch
+    for key in ("per_device_bytes", "argument_bytes", "output_bytes", "code_bytes", "hbm_bytes", "flops_per_step"):
+        assert r[key] > 0, key
+    assert r["per_device_bytes"] <= r["hbm_bytes"]
+    assert 15 * 2**30 < r["hbm_bytes"] <= 16 * 2**30 and r["hbm_source"] == "compiler"  # v5e: 16 GiB chips
+    # The donated state is written in place: outputs alias the arguments.
+    assert r["alias_bytes"] > 0.9 * r["argument_bytes"]
+    # Counted FLOPs of the step agree with the 6N + attention estimate.
+    assert r["flops_per_step"] == pytest.approx(r["model_flops_per_step"], rel=0.15)
+    assert r["flops_per_device"] * r["devices"] == pytest.approx(r["flops_per_step"])
+
+
+@needs_libtpu
+def test_human_report_and_mesh_flag_on_megacore_v4():
+    proc = run_aot("--config", "experiments/debug.py:baseline", "--topology", "v4:2x2x1", "--mesh", "2,1,-1")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "4 x TPU v4" in out  # megacore: one device per chip
+    assert "mesh data=2 fsdp=1 tensor=2" in out
+    for word in ("arguments", "outputs", "temporaries", "total", "FLOPs per step", "fits: yes"):
+        assert word in out, word
+
+
+@needs_libtpu
+def test_out_of_hbm_is_a_report_not_a_traceback():
+    proc = run_aot(
+        "--config",
+        "experiments/debug.py",
+        "--topology",
+        "v5e:2x2",
+        "--config.train.global_batch=4096",
+        "--config.data.seq_len=8192",
+        "--json",
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    r = report_of(proc)
+    assert r["fits"] is False
+    assert r["per_device_bytes"] > r["hbm_bytes"] > 0
+    assert "RESOURCE_EXHAUSTED" in r["compiler_message"]
+
+
+@needs_libtpu
+def test_7b_on_four_v5e_chips_does_not_fit():
+    """The 7.6B model's float32 parameters and AdamW moments alone (~91 GB) exceed 4 x 16 GiB;
+    the compiler gives up within seconds and its figure is the report."""
+    proc = run_aot("--config", "experiments/s7b6.py:delta_block", "--topology", "v5e:2x2", "--json")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    r = report_of(proc)
+    assert r["fits"] is False and (r["global_batch"], r["seq_len"]) == (64, 2048)
+    assert r["per_device_bytes"] > r["argument_bytes"] > 7.5e9 * 12 / 4  # params + Adam moments, split 4 ways
+    assert r["flops_per_step"] == pytest.approx(6 * 7.57e9 * 64 * 2048, rel=0.15)
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "topology, words",
+    [("v9z:2x2", "Invalid TPU"), ("v5e-16", "GENERATION:AxB"), ("v5e:4x4", "does not split")],
+)
+def test_bad_topology_or_batch_is_one_error_line(topology, words):
+    proc = run_aot("--config", "experiments/debug.py", "--topology", topology)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], proc.stderr
+
+
+def test_parse_oom_reads_both_compiler_messages():
+    temps = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (36.00G) "
+        "exceeds available HBM (15.75G)."
+    )
+    assert aot.parse_oom(temps) == dict(required=36 * 2**30, hbm=int(15.75 * 2**30), required_what="temporaries")
+    used = (
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+        "Used 112.50G of 95.74G hbm. Exceeded hbm capacity by 16.76G."
+    )
+    figures = aot.parse_oom(used)
+    assert figures["required"] == int(112.5 * 2**30) and figures["hbm"] == int(95.74 * 2**30)
+    assert aot.parse_oom("something else") == {}
+
+
+def test_parse_topology():
+    assert aot.parse_topology("v5p:2x2x2") == ("v5p", (2, 2, 2))
+    assert aot.parse_topology("v6e:8x8") == ("v6e", (8, 8))
+    for bad in ("v5p", "v5p-16", "v5p:2x", ""):
+        with pytest.raises(aot.AotError):
+            aot.parse_topology(bad)
+
+
+def test_jaxpr_flops_counts_scans_and_grads():
+    a = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 16, 16), jnp.float32)
+
+    def layers(w, x):
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0].sum()
+
+    forward = 2 * 8 * 16 * 16 * 4
+    assert aot.jaxpr_flops(jax.make_jaxpr(layers)(w, a).jaxpr) == forward
+    # backward: one product for the input gradient and one for the weight gradient per layer
+    assert aot.jaxpr_flops(jax.make_jaxpr(jax.grad(layers))(w, a).jaxpr) == 3 * forward
+    remat = jax.checkpoint(layers)
+    assert aot.jaxpr_flops(jax.make_jaxpr(jax.value_and_grad(remat))(w, a).jaxpr) == 4 * forward

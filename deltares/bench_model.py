@@ -12,7 +12,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -73,8 +72,8 @@ def main(argv):
     results = time_modes(cfg, modes, _BATCH.value, _SEQ.value, _ROUNDS.value, _STEPS.value)
     base = statistics.median(results["baseline"][1])
     tokens = _BATCH.value * _SEQ.value
-    print(f"| mode | fwd+bwd ms/step | tokens/s | vs baseline | compile s |")
-    print(f"|---|---|---|---|---|")
+    print("| mode | fwd+bwd ms/step | tokens/s | vs baseline | compile s |")
+    print("|---|---|---|---|---|")
     for mode in modes:
         compile_s, times = results[mode]
         med = statistics.median(times)

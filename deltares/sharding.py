@@ -22,8 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from deltares.model import Transformer
-from deltares.optim import make_optimizer
-from deltares.steps import abstract_params, make_init, make_train_step
+from deltares.steps import abstract_params, build, make_init, make_train_step
 
 MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_RULES = (
@@ -139,10 +138,8 @@ class ShardedTraining(NamedTuple):
 def sharded_train_step(cfg, mesh) -> ShardedTraining:
     """The train step of `cfg` jitted for `mesh` with in/out shardings and a donated state,
     and what goes with it. Warns when fsdp > 1 and under 98% of parameter bytes are split."""
-    model = Transformer(cfg.model)
+    model, tx, schedules = build(cfg)
     boxed = abstract_params(model, cfg.data.seq_len)
-    params = nn.meta.unbox(boxed)
-    tx, schedules = make_optimizer(cfg, params, scanned=cfg.model.scan_layers)
     init_fn = make_init(model, tx, cfg.data.seq_len)
     abstract_state = jax.eval_shape(init_fn, 0)
     shardings = state_shardings(boxed, abstract_state, mesh)

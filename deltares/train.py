@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags

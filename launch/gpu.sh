@@ -31,17 +31,9 @@ Usage: launch/gpu.sh [options] [-- train overrides...]
 Everything after `--` is passed to `python -m deltares.train`.
 EOF
 }
-die() { echo "gpu.sh: error: $*" >&2; exit 2; }
-
-# Shell-quote each argument (POSIX single quotes), for printing.
-quote() {
-  local a out=()
-  for a in "$@"; do
-    if [[ $a =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$a"); else out+=("'${a//\'/\'\\\'\'}'"); fi
-  done
-  echo "${out[*]}"
-}
-run() { if ((DRY)); then echo "+ $(quote "$@")"; else "$@"; fi; }
+PROG=gpu.sh
+# shellcheck source=launch/common.sh
+source "$ROOT/launch/common.sh"
 
 while (($#)); do
   opt=$1

@@ -20,27 +20,35 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from deltares.config import BLOCK_MODES
 from deltares.decoder import DepthState
 from deltares.residual import ResidualPlan
 
 
 def _input_state(final: DepthState, saved, layer, plan: ResidualPlan) -> DepthState:
     """Layer `layer`'s input state: slots before its first write slot come from the final
-    buffer, its write slot from `saved` (its value then), later slots are zero as they were."""
-    h_BTD, slot_BTD, slot_inv_BT = saved
+    buffer, later slots are zero as they were, and in block modes its write slot (the
+    running partial) comes from `saved`."""
+    h_BTD, partial = saved
     first = jnp.asarray(plan.write)[2 * layer]
     slots = jnp.arange(plan.n_slots)
     before = slots < first
     sources = jnp.where(before[:, None, None, None], final.sources_SBTD, 0)
     inv = jnp.where(before[:, None, None], final.inv_rms_SBT, 0)
-    sources = sources.at[first].set(slot_BTD)
-    inv = inv.at[first].set(slot_inv_BT)
+    if partial is not None:
+        slot_BTD, slot_inv_BT = partial
+        sources = sources.at[first].set(slot_BTD)
+        inv = inv.at[first].set(slot_inv_BT)
     return DepthState(h_BTD, sources, inv)
 
 
 def _saved(state: DepthState, layer, plan: ResidualPlan):
+    """What the backward pass cannot rebuild from the final buffer: the stream, and in block
+    modes the partial (per-sublayer modes write fresh slots, which are zero at layer input)."""
+    if plan.mode not in BLOCK_MODES:
+        return state.h_BTD, None
     first = jnp.asarray(plan.write)[2 * layer]
-    return state.h_BTD, state.sources_SBTD[first], state.inv_rms_SBT[first]
+    return state.h_BTD, (state.sources_SBTD[first], state.inv_rms_SBT[first])
 
 
 def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan):

@@ -13,3 +13,10 @@ quote() {
 
 # Run a command, or with DRY=1 print it.
 run() { if ((DRY)); then echo "+ $(quote "$@")"; else "$@"; fi; }
+
+# The experiment file of CONFIG must exist; sets JAX_VERSION from requirements.txt's jax pin.
+check_config_and_jax_pin() {
+  [[ -f $ROOT/${CONFIG%%:*} ]] || die "config file ${CONFIG%%:*} not found (give it relative to the repository root $ROOT)"
+  JAX_VERSION=$(sed -n 's/^jax==\([^ ;#]*\).*/\1/p' "$ROOT/requirements.txt")
+  [[ -n $JAX_VERSION ]] || die "no jax==VERSION pin in requirements.txt"
+}

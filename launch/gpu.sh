@@ -57,9 +57,7 @@ missing=()
 [[ -n $WORKDIR ]] || missing+=(--workdir)
 ((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
 [[ $CUDA == 12 || $CUDA == 13 ]] || die "--cuda must be 12 or 13, not '$CUDA'"
-[[ -f $ROOT/${CONFIG%%:*} ]] || die "config file ${CONFIG%%:*} not found (give it relative to the repository root $ROOT)"
-JAX_VERSION=$(sed -n 's/^jax==\([^ ;#]*\).*/\1/p' "$ROOT/requirements.txt")
-[[ -n $JAX_VERSION ]] || die "no jax==VERSION pin in requirements.txt"
+check_config_and_jax_pin
 py=$VENV/bin/python
 run cd "$ROOT" # configs, relative workdirs and venvs are relative to the repository root
 

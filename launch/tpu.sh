@@ -76,9 +76,7 @@ if [[ -z $VERSION ]]; then
     *) die "missing required setting: --version (no default runtime for --type $TYPE)" ;;
   esac
 fi
-[[ -f $ROOT/${CONFIG%%:*} ]] || die "config file ${CONFIG%%:*} not found (give it relative to the repository root $ROOT)"
-JAX_VERSION=$(sed -n 's/^jax==\([^ ;#]*\).*/\1/p' "$ROOT/requirements.txt")
-[[ -n $JAX_VERSION ]] || die "no jax==VERSION pin in requirements.txt"
+check_config_and_jax_pin
 
 where=(--zone "$ZONE")
 [[ -z $PROJECT ]] || where+=(--project "$PROJECT")

@@ -13,6 +13,7 @@ import ml_collections
 MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")
 BLOCK_MODES = ("block_attnres", "delta_block")
 REPLACEMENT_MODES = ("full_attnres", "block_attnres")
+ADDITIVE_MODES = ("delta", "delta_block")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots")
 ROUTING_IMPLS = ("xla",)
@@ -38,7 +39,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
             param_dtype="float32",
             scan_layers=True,
             remat="none",
-            residual=dict(mode="delta_block", block_layers=4, include_partial=True, impl="xla"),
+            residual=dict(mode="delta_block", block_layers=4, include_partial=True, impl="xla", gate=False, null_source=False),
         )
     )
     residual = overrides.pop("residual", {})
@@ -59,8 +60,8 @@ def validate_model_config(cfg) -> None:
             _fail(field, value, "must be a positive integer")
     if cfg.n_heads % cfg.n_kv_heads:
         _fail("n_kv_heads", cfg.n_kv_heads, f"must divide n_heads={cfg.n_heads}")
-    for field in ("tie_embeddings", "scan_layers", "residual.include_partial"):
-        value = cfg.residual.include_partial if field.startswith("residual.") else cfg[field]
+    for field in ("tie_embeddings", "scan_layers", "residual.include_partial", "residual.gate", "residual.null_source"):
+        value = cfg.residual.get(field[9:], False) if field.startswith("residual.") else cfg[field]
         if not isinstance(value, bool):
             _fail(field, value, "must be true or false")
     for field in ("rope_theta", "norm_eps"):
@@ -76,6 +77,9 @@ def validate_model_config(cfg) -> None:
         _fail("residual.mode", res.mode, f"allowed: {', '.join(MODES)}")
     if res.get("impl", "xla") not in ROUTING_IMPLS:
         _fail("residual.impl", res.impl, f"allowed: {', '.join(ROUTING_IMPLS)}")
+    for field in ("gate", "null_source"):
+        if res.get(field, False) and res.mode not in ADDITIVE_MODES:
+            _fail(f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
     block = res.block_layers
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= cfg.n_layers:
         _fail("residual.block_layers", block, f"must be an integer in [1, n_layers={cfg.n_layers}]")

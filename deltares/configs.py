@@ -1,7 +1,8 @@
 """Building experiment configs: `experiments/<scale>.py:get_config(arg)` calls `experiment`.
 
 `arg` is `mode[,key=value...]`, e.g. `delta_block`, `delta_block,block_layers=4`,
-`full_attnres,include_partial=false`. Keys: `block_layers`, `include_partial`.
+`full_attnres,include_partial=false`, `delta,null_source=true`. Keys: `block_layers`,
+`include_partial`, and for converted checkpoints `gate` and `null_source` (DepthRouter).
 """
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ import ml_collections
 
 from deltares.config import MODES, model_config, validate_model_config
 
-VARIANT_KEYS = {"block_layers": int, "include_partial": lambda s: _parse_bool("include_partial", s)}
+VARIANT_KEYS = {
+    "block_layers": int,
+    "include_partial": lambda s: _parse_bool("include_partial", s),
+    "gate": lambda s: _parse_bool("gate", s),
+    "null_source": lambda s: _parse_bool("null_source", s),
+}
 
 
 def _parse_bool(key: str, text: str) -> bool:
@@ -106,6 +112,8 @@ def experiment(
         mode=variant["mode"],
         block_layers=variant.get("block_layers", block_layers),
         include_partial=variant.get("include_partial", True),
+        gate=variant.get("gate", False),
+        null_source=variant.get("null_source", False),
     )
     cfg = base_config()
     cfg.scale = scale

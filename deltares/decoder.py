@@ -68,12 +68,13 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
         if plan.uses_sources:
+            res = cfg.residual
             valid_S = jnp.asarray(plan.read)[j]
-            routed = jnp.asarray(plan.routed)[j]
+            # A null source is one more source: with it every sublayer routes.
+            routed = jnp.asarray(plan.routed | res.get("null_source", False))[j]
             residual = None if plan.replaces_stream else state.h_BTD
-            x_BTD, weights_SBT = DepthRouter(name=f"{router}_router")(
-                state.sources_SBTD, state.inv_rms_SBT, valid_S, residual
-            )
+            router_module = DepthRouter(res.get("gate", False), res.get("null_source", False), name=f"{router}_router")
+            x_BTD, weights_SBT = router_module(state.sources_SBTD, state.inv_rms_SBT, valid_S, residual)
             if residual is not None:  # single source: no routing, x = h (DESIGN.md section 3)
                 x_BTD = jnp.where(routed, x_BTD, state.h_BTD)
             stats = routing_stats(weights_SBT, routed) if self.return_stats else None

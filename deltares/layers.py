@@ -122,11 +122,28 @@ class DepthRouter(nn.Module):
 
     Called on a source buffer with its cached 1/rms and validity mask; returns
     `(route, weights)`, or `(residual + route, weights)` for additive routing.
+    For converting pretrained checkpoints (DESIGN.md section 3): `gate` adds a scalar
+    gate (zeros) on the routed term, `residual + gate * route`, so a converted model
+    computes exactly the pretrained function at step 0; `null_source` adds the paper's
+    learned null source (zeros) to every routing.
     """
+
+    gate: bool = False
+    null_source: bool = False
 
     @nn.compact
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
         D = sources_SBTD.shape[-1]
         query = self.param("query", _param_init(nn.initializers.zeros, ("embed",)), (D,), jnp.float32)
         gain = self.param("gain", _param_init(nn.initializers.ones, ("embed",)), (D,), jnp.float32)
-        return routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query, gain, residual_BTD)
+        null = None
+        if self.null_source:
+            null = self.param("null_source", _param_init(nn.initializers.zeros, ("embed",)), (D,), jnp.float32)
+        if not self.gate:
+            return routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query, gain, residual_BTD, null)
+        if residual_BTD is None:
+            raise ValueError("a routing gate needs additive routing (a residual)")
+        gate = self.param("gate", _param_init(nn.initializers.zeros, ("norm",)), (1,), jnp.float32)
+        route_BTD, weights_SBT = routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query, gain, None, null)
+        out_BTD = residual_BTD.astype(jnp.float32) + gate[0] * route_BTD.astype(jnp.float32)
+        return out_BTD.astype(sources_SBTD.dtype), weights_SBT

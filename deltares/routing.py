@@ -22,15 +22,27 @@ def inv_rms(x_BTD: Array, eps: float = 1e-6) -> Array:
     return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
 
 
-def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None):
-    """Routing given per-source 1/rms. Returns (out_BTD, weights_SBT)."""
+def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None):
+    """Routing given per-source 1/rms. Returns (out_BTD, weights_SBT).
+
+    `null_D` adds one learned source shared by every token (the paper's null source for
+    fine-tuning); its weight is 1 - sum(weights_SBT)."""
     S, B, T, _ = sources_SBTD.shape
     qg_D = query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
     logits_SBT = jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(jnp.float32), qg_D) * inv_rms_SBT
     valid_SBT = jnp.broadcast_to(jnp.asarray(valid, bool).reshape(_mask_shape(valid, S)), (S, B, T))
     logits_SBT = jnp.where(valid_SBT, logits_SBT, -jnp.inf)
-    weights_SBT = jax.nn.softmax(logits_SBT, axis=0)
-    out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
+    if null_D is None:
+        weights_SBT = jax.nn.softmax(logits_SBT, axis=0)
+        out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
+    else:
+        null_D = null_D.astype(jnp.float32)
+        null_logit = jnp.dot(null_D, qg_D) * inv_rms(null_D)
+        all_logits = jnp.concatenate([logits_SBT, jnp.broadcast_to(null_logit, (1, B, T))], axis=0)
+        all_weights = jax.nn.softmax(all_logits, axis=0)
+        weights_SBT, null_weight_BT = all_weights[:S], all_weights[S]
+        out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
+        out_BTD = out_BTD + null_weight_BT[..., None] * null_D
     if residual_BTD is not None:
         out_BTD = residual_BTD.astype(jnp.float32) + out_BTD
     return out_BTD.astype(sources_SBTD.dtype), weights_SBT

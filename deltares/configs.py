@@ -65,11 +65,12 @@ def base_config() -> ml_collections.ConfigDict:
             scale="",
             seed=0,
             init_from="",  # a workdir or checkpoint directory to take parameters from
+            init_from_hf="",  # a Hugging Face Qwen3 directory to take parameters from (deltares.hf)
             force=False,  # resume a workdir whose checkpoint has another config
             mesh=dict(data=1, fsdp=-1, tensor=1),  # device mesh; -1 takes the remaining devices
             data=dict(
                 dataset="builtin",  # a prepared dataset directory, or "builtin" (Moby-Dick, prepared into the workdir)
-                tokenizer="bpe:4096",  # used only to prepare the built-in corpus
+                tokenizer="bpe:4096",  # used only to prepare the built-in corpus; "init_from_hf": the checkpoint's
                 seq_len=256,
                 prefetch=4,
             ),

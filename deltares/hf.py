@@ -337,16 +337,17 @@ def _fresh_routing(cfg) -> dict:
     return jax.tree.map(np.asarray, nn.meta.unbox(router.init(jax.random.key(0), *args)["params"]))
 
 
-def load_params(path: str, cfg) -> dict:
-    """The parameters of `config.model` `cfg` from the checkpoint in `path`, as float numpy arrays
-    of `cfg.param_dtype`. Routing parameters absent from a baseline checkpoint start at their
-    initial values. Every name and shape is checked before any tensor is read."""
+def check_checkpoint(path: str, cfg):
+    """Checks that `path` holds every tensor of `config.model` `cfg` with the right shape, and
+    nothing else, reading only headers. Returns (files by tensor name, table, names to read)."""
     hf = read_hf_config(path)
     stored = stored_residual(hf)
     stored_cfg = model_config_from_hf(hf)
     for field in ARCH_FIELDS:
         if stored_cfg[field] != cfg[field]:
             raise HFError(f"{path}: config.json has {field}={stored_cfg[field]!r}, the model needs {cfg[field]!r}")
+    if stored["mode"] != "baseline":
+        _target_residual(stored, {k: cfg.residual[k] for k in RESIDUAL_KEYS if k in cfg.residual}, cfg.n_layers)  # same scheme, or an error naming the field
     vocab = _tokenizer_vocab(path)
     if vocab is not None and vocab > cfg.vocab_size:
         raise HFError(f"{path}/tokenizer.json has {vocab} tokens, more than the model's vocab_size={cfg.vocab_size}")
@@ -366,9 +367,16 @@ def load_params(path: str, cfg) -> dict:
     extra = sorted(n for n in files if n not in wanted and n not in ignored and not n.endswith(IGNORED_SUFFIXES))
     if extra:
         raise HFError(f"tensor {extra[0]} in {files[extra[0]].path}: not a parameter of this model ({len(extra)} unexpected)")
+    return files, table, wanted
 
+
+def load_params(path: str, cfg) -> dict:
+    """The parameters of `config.model` `cfg` from the checkpoint in `path`, as float numpy arrays
+    of `cfg.param_dtype`. Routing parameters absent from a baseline checkpoint start at their
+    initial values. Every name and shape is checked before any tensor is read."""
+    files, table, wanted = check_checkpoint(path, cfg)
     dtype = np.dtype(dtype_of(cfg.param_dtype))
-    routing = _fresh_routing(cfg) if fresh else None
+    routing = _fresh_routing(cfg) if len(wanted) < len(table) else None
     params: dict = {}
     for p, name, layout, shape, layer in table:
         if name in wanted:

@@ -26,13 +26,17 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from deltares import hf
 from deltares.checkpoint import Checkpointer, load_checkpoint
 from deltares.data.dataset import TokenData, eval_batches, train_dataset, train_iterator
 from deltares.data.prepare import BUILTIN, DataError, prepare
 from deltares.eval import evaluate
+from deltares.memory import PeakMemory
 from deltares.metrics import MetricsWriter, model_flops_per_token, peak_flops_per_device
 from deltares.sharding import MeshStep, make_mesh, shard_batch, sharded_train_step
 from deltares.steps import make_eval_step, make_stats_step
+
+FROM_HF = "init_from_hf"  # config.data.tokenizer value: the tokenizer of config.init_from_hf
 
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.
 RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "train.global_batch")
@@ -86,9 +90,14 @@ def open_dataset(cfg, workdir: str) -> TokenData:
         )
     if path == BUILTIN:
         path = os.path.join(workdir, "dataset")
+        tokenizer = cfg.data.tokenizer
+        if tokenizer == FROM_HF:
+            if not cfg.init_from_hf:
+                raise TrainError(f"config.data.tokenizer={FROM_HF!r} needs config.init_from_hf")
+            tokenizer = f"hf:{cfg.init_from_hf}"
         if not os.path.exists(os.path.join(path, "meta.json")):
-            say(f"preparing the built-in corpus with tokenizer {cfg.data.tokenizer} into {path}")
-            prepare(BUILTIN, cfg.data.tokenizer, path, val_fraction=0.05, progress=False)
+            say(f"preparing the built-in corpus with tokenizer {tokenizer} into {path}")
+            prepare(BUILTIN, tokenizer, path, val_fraction=0.05, progress=False)
     data = TokenData(path)
     if data.vocab_size > cfg.model.vocab_size:
         raise TrainError(
@@ -115,6 +124,16 @@ def _check_resumable(saved: dict, cfg, workdir: str) -> None:
         )
     if diffs:
         say(f"warning: resuming {workdir} despite config differences in {', '.join(diffs)} (config.force)")
+
+
+def _init_from_hf(path: str, model_cfg):
+    """Parameters of `model_cfg` from a Hugging Face Qwen3 checkpoint (routing parameters fresh)."""
+    try:
+        params = hf.load_params(path, model_cfg)
+    except hf.HFError as err:
+        raise TrainError(f"config.init_from_hf: {err}") from None
+    say(f"init_from_hf {path}: loaded as {model_cfg.residual.mode}")
+    return params
 
 
 def _init_from(path: str, params):
@@ -161,6 +180,11 @@ def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training; returns the final metrics."""
     check_train_config(cfg)
     workdir = os.path.abspath(workdir)
+    if cfg.get("init_from_hf"):  # a bad checkpoint fails before anything is written
+        try:
+            hf.check_checkpoint(cfg.init_from_hf, cfg.model)
+        except hf.HFError as err:
+            raise TrainError(f"config.init_from_hf: {err}") from None
     os.makedirs(workdir, exist_ok=True)
     data = open_dataset(cfg, workdir)
     t = cfg.train
@@ -187,8 +211,13 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
 
     if start is None:
         state = training.init(cfg.seed)
-        if cfg.init_from:
-            params = _init_from(cfg.init_from, state["params"])
+        if cfg.init_from or cfg.get("init_from_hf"):
+            if cfg.init_from and cfg.get("init_from_hf"):
+                raise TrainError("set config.init_from or config.init_from_hf, not both")
+            if cfg.init_from:
+                params = _init_from(cfg.init_from, state["params"])
+            else:
+                params = _init_from_hf(cfg.init_from_hf, cfg.model)
             state = jax.device_put({**state, "params": params, "opt_state": tx.init(params)}, training.state_shardings)
         start = 0
     else:
@@ -207,6 +236,7 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     stats_step = MeshStep(jax.jit(make_stats_step(model)), mesh)
     all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     writer = MetricsWriter(workdir, resume_step=start)
+    peak_memory = PeakMemory(train_step)  # device high-water mark, else the compiled step's footprint
     tokens_per_step = t.global_batch * cfg.data.seq_len
     flops_per_step = model_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = peak_flops_per_device(t.peak_tflops) * jax.device_count()
@@ -270,6 +300,8 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
                     stats = jax.device_get(stats_step(state["params"], batch))
                     record["routing_max_weight"] = stats["max_weight"].round(4).tolist()
                     record["routing_entropy"] = stats["entropy"].round(4).tolist()
+                if (peak_bytes := peak_memory(state, shard_batch(batch, training.batch_sharding))) is not None:
+                    record["peak_bytes"] = peak_bytes
                 writer.write(step, record)
                 bar.set_postfix(loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
                 pending = []

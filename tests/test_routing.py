@@ -402,3 +402,21 @@ def test_bad_shapes_raise_value_error(case):
         v = np.ones((3, 3, 4), bool)  # B is 2
     with pytest.raises(ValueError):
         depth_route(s, v, q, g, r)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_null_source_is_one_more_source(additive):
+    """The paper's null source equals routing over the buffer plus the null vector at every token."""
+    from deltares.routing import inv_rms, route_normalized
+
+    rng = np.random.default_rng(seed_of("null", additive))
+    S, B, T, D = 4, 2, 3, 8
+    sources, query, gain, residual = make_inputs(rng, S, B, T, D)
+    null = rng.normal(size=(D,)).astype(np.float32)
+    valid = np.array([True, False, True, True])
+    res = residual if additive else None
+    out, weights = route_normalized(jnp.asarray(sources), inv_rms(jnp.asarray(sources)), valid, query, gain, res, null)
+    with_null = np.concatenate([sources, np.broadcast_to(null, (1, B, T, D))], axis=0)
+    want, want_w = ref_route(with_null, np.append(valid, True), query, gain, res)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(weights), want_w[:S], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,118 @@
+"""Convert checkpoints between Hugging Face Qwen3 and deltares, and between residual schemes.
+
+    # a pretrained Qwen3 into Delta Block, as a Hugging Face directory (exact at step 0)
+    python -m deltares.convert --hf /path/to/Qwen3-0.6B --mode delta_block --block_layers 4 --out qwen3_delta
+    # the paper's null-source variant instead of the exact gate
+    python -m deltares.convert --hf /path/to/Qwen3-0.6B --mode delta --null_source --nogate --out qwen3_null
+    # a Hugging Face checkpoint into a deltares run directory (for eval, generate, init_from)
+    python -m deltares.convert --hf /path/to/Qwen3-0.6B --mode delta_block --out_workdir runs/qwen3_delta
+    # a trained deltares run out to Hugging Face (tokenizer from the run's dataset)
+    python -m deltares.convert --checkpoint runs/ft_delta_block --out exported [--dtype bfloat16]
+
+Tensor names and config.json fields: see `deltares.hf`. Every input is checked before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ml_collections
+from absl import app, flags, logging
+
+from deltares import hf
+from deltares.checkpoint import Checkpointer, load_checkpoint
+from deltares.configs import base_config
+from deltares.data.dataset import TokenData
+from deltares.eval import run_dataset_path
+
+
+def _residual_request(mode, block_layers, gate, null_source):
+    if mode is None:
+        if block_layers is not None or gate is not None or null_source:
+            raise hf.HFError("--block_layers, --gate and --null_source need --mode")
+        return None
+    out = {"mode": mode, "null_source": bool(null_source)}
+    if block_layers is not None:
+        out["block_layers"] = block_layers
+    if gate is not None:
+        out["gate"] = gate
+    return out
+
+
+def hf_to_hf(src: str, out: str, residual=None, dtype: str = "float32") -> None:
+    cfg, params = hf.from_hf(src, residual, dtype="float32")
+    template = hf.read_hf_config(src)
+    hf.to_hf(cfg, params, out, dtype=dtype, tokenizer=src if os.path.exists(os.path.join(src, "tokenizer.json")) else None,
+             template=template)
+
+
+def hf_to_workdir(src: str, workdir: str, residual=None) -> None:
+    """A deltares run directory whose step-0 checkpoint holds the converted parameters."""
+    cfg, params = hf.from_hf(src, residual, dtype="float32")
+    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise hf.HFError(f"{workdir} already holds checkpoints; choose a new --out_workdir")
+    config = base_config()
+    config.model = cfg
+    config.init_from_hf = os.path.abspath(src)
+    config.data.tokenizer = f"hf:{os.path.abspath(src)}"
+    ckpt = Checkpointer(workdir, async_save=False)
+    try:
+        ckpt.save(0, {"step": 0, "params": params}, {}, config.to_dict())
+        ckpt.wait()
+    finally:
+        ckpt.close()
+
+
+def workdir_to_hf(checkpoint: str, out: str, dtype: str = "float32", tokenizer: str | None = None) -> None:
+    loaded = load_checkpoint(checkpoint)
+    cfg = ml_collections.ConfigDict(loaded.config)
+    hf.to_hf(cfg.model, loaded.state["params"], out, dtype=dtype, tokenizer=tokenizer)
+    if tokenizer:
+        return
+    data_dir = run_dataset_path(loaded.config, loaded.workdir)
+    if os.path.exists(os.path.join(data_dir, "meta.json")):
+        text = TokenData(data_dir).tokenizer().to_json()
+        if text:
+            with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+                f.write(text)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if bool(_HF.value) == bool(_CHECKPOINT.value):
+        raise app.UsageError("give exactly one of --hf (a Hugging Face directory) or --checkpoint (a deltares run)")
+    if bool(_OUT.value) == bool(_OUT_WORKDIR.value):
+        raise app.UsageError("give exactly one of --out (a Hugging Face directory) or --out_workdir (a deltares run)")
+    try:
+        if _CHECKPOINT.value:
+            if _OUT_WORKDIR.value or _MODE.value:
+                raise app.UsageError("--checkpoint exports to --out as stored; --mode and --out_workdir need --hf")
+            workdir_to_hf(_CHECKPOINT.value, _OUT.value, _DTYPE.value, _TOKENIZER.value)
+            print(f"wrote {_OUT.value}")
+            return
+        residual = _residual_request(_MODE.value, _BLOCK_LAYERS.value, _GATE.value, _NULL_SOURCE.value)
+        if _OUT.value:
+            hf_to_hf(_HF.value, _OUT.value, residual, _DTYPE.value)
+            print(f"wrote {_OUT.value}")
+        else:
+            hf_to_workdir(_HF.value, _OUT_WORKDIR.value, residual)
+            print(f"wrote {_OUT_WORKDIR.value}/checkpoints/0")
+    except (hf.HFError, FileNotFoundError, ValueError) as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+    _HF = flags.DEFINE_string("hf", None, "A Hugging Face Qwen3 checkpoint directory to read.")
+    _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A deltares run directory (or step directory) to export.")
+    _OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
+    _OUT_WORKDIR = flags.DEFINE_string("out_workdir", None, "A new deltares run directory to write (with --hf).")
+    _MODE = flags.DEFINE_enum("mode", None, list(hf.MODES), "Residual scheme to convert into (default: as stored).")
+    _BLOCK_LAYERS = flags.DEFINE_integer("block_layers", None, "Layers per block for the block modes.")
+    _GATE = flags.DEFINE_bool("gate", None, "Zero gate on the routed term (exact conversion; default on for delta modes).")
+    _NULL_SOURCE = flags.DEFINE_bool("null_source", False, "Add the paper's learned null source to every routing.")
+    _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
+    _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) to write with --checkpoint.")
+    app.run(main)

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltares.config import ADDITIVE_MODES, BLOCK_MODES, MODES, dtype_of, model_config, validate_model_config
+from deltares.config import ADDITIVE_MODES, MODES, dtype_of, model_config, validate_model_config
 from deltares.layers import DepthRouter
 from deltares.model import Transformer
 from deltares.safetensors_io import SafetensorsError, SafetensorsFile, write

@@ -91,14 +91,24 @@ class DecoderLayer(nn.Module):
         return DepthState(h_BTD, sources, inv), stats
 
     @nn.compact
-    def __call__(self, state: DepthState, layer, cos_TH, sin_TH):
+    def __call__(self, state: DepthState, layer, cos_TH, sin_TH, cache=None, pos=None):
+        """Returns (state, stats); with an attention `cache` (decoding, see Attention),
+        (state, (stats, new cache))."""
         cfg = self.config
         plan = plan_for(cfg)
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
         attn = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, dtype, param_dtype, name="attn")
         mlp = MLP(cfg.d_ff, dtype, param_dtype, name="mlp")
-        state, attn_stats = self._sublayer(2 * layer, state, plan, "attn", lambda x: attn(x, cos_TH, sin_TH))
+        new_cache = []
+
+        def attend(x_BTD):
+            if cache is None:
+                return attn(x_BTD, cos_TH, sin_TH)
+            out_BTD, updated = attn(x_BTD, cos_TH, sin_TH, cache, pos)
+            new_cache.append(updated)
+            return out_BTD
+
+        state, attn_stats = self._sublayer(2 * layer, state, plan, "attn", attend)
         state, mlp_stats = self._sublayer(2 * layer + 1, state, plan, "mlp", mlp)
-        if not self.return_stats:
-            return state, None
-        return state, jax.tree.map(lambda a, b: jnp.stack([a, b]), attn_stats, mlp_stats)
+        stats = jax.tree.map(lambda a, b: jnp.stack([a, b]), attn_stats, mlp_stats) if self.return_stats else None
+        return (state, stats) if cache is None else (state, (stats, new_cache[0]))

@@ -80,7 +80,10 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, cos_TH, sin_TH):
+    def __call__(self, x_BTD, cos_TH, sin_TH, cache=None, pos=None):
+        """With `cache` = (k_BSKH, v_BSKH) of earlier positions, the T tokens of `x_BTD` sit at
+        positions pos..pos+T-1: their keys and values are written into the cache and they attend
+        to everything up to themselves. Returns the output, and the new cache when given one."""
         D = x_BTD.shape[-1]
         common = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
@@ -94,9 +97,19 @@ class Attention(nn.Module):
         q_BTNH = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTNH), cos_TH, sin_TH)
         k_BTKH = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKH), cos_TH, sin_TH)
         q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "length", "heads", "head_dim"))
-        out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        if cache is None:
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        else:
+            k_BSKH, v_BSKH = (jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, pos, 0, 0))
+                              for c, x in zip(cache, (k_BTKH, v_BTKH)))
+            cache = (k_BSKH, v_BSKH)
+            T, S = x_BTD.shape[1], k_BSKH.shape[1]
+            mask_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH.astype(self.dtype), v_BSKH.astype(self.dtype),
+                                                    mask=mask_TS[None, None])
         o_shape = (self.n_heads, self.head_dim, D)
-        return Projection("btnh,nhd->btd", o_shape, ("heads", "head_dim", "embed"), name="o_proj", **common)(out_BTNH)
+        out_BTD = Projection("btnh,nhd->btd", o_shape, ("heads", "head_dim", "embed"), name="o_proj", **common)(out_BTNH)
+        return out_BTD if cache is None else (out_BTD, cache)
 
 
 class MLP(nn.Module):

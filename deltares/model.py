@@ -53,9 +53,39 @@ class Transformer(nn.Module):
             layer = nn.remat(layer, prevent_cse=not self.config.scan_layers, policy=REMAT_POLICIES[self.config.remat])
         return layer
 
-    @nn.compact
-    def __call__(self, tokens_BT, return_stats: bool = False):
+    def _decode_layers(self, state, cos_TH, sin_TH, cache, pos):
+        """The layers on a decoding step: plain (no remat), threading each layer's attention cache."""
         cfg = self.config
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, 0, nn.broadcast),
+                length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            state, (_, cache) = scanned(cfg, False, name="layers")(state, jnp.arange(cfg.n_layers), cos_TH, sin_TH, cache, pos)
+            return state, cache
+        per_layer = []
+        for layer in range(cfg.n_layers):
+            layer_cache = jax.tree.map(lambda c: c[layer], cache)
+            state, (_, layer_cache) = DecoderLayer(cfg, False, name=f"layers_{layer}")(
+                state, layer, cos_TH, sin_TH, layer_cache, pos
+            )
+            per_layer.append(layer_cache)
+        return state, jax.tree.map(lambda *cs: jnp.stack(cs), *per_layer)
+
+    @nn.compact
+    def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0):
+        """Logits [B, T, V] (float32), and routing stats with `return_stats`.
+
+        Decoding: with `cache` (from `init_cache`) the tokens sit at positions pos..pos+T-1
+        after the cached ones, and the call returns (logits, new cache). Routing is per
+        token, so only attention needs a cache; every residual mode decodes the same way."""
+        cfg = self.config
+        if cache is not None and return_stats:
+            raise ValueError("return_stats is not available while decoding with a cache")
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
         plan = plan_for(cfg)
         embed = nn.Embed(
@@ -67,10 +97,12 @@ class Transformer(nn.Module):
             name="embed",
         )
         e_BTD = nn.with_logical_constraint(embed(tokens_BT), ("batch", "length", "embed"))
-        cos_TH, sin_TH = rope_tables(jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
+        cos_TH, sin_TH = rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps)
         layer_cls = self._layer_class()
-        if cfg.scan_layers and self._store_once(plan):
+        if cache is not None:
+            state, cache = self._decode_layers(state, cos_TH, sin_TH, cache, pos)
+        elif cfg.scan_layers and self._store_once(plan):
             layer = DecoderLayer(cfg, return_stats, parent=None)
 
             def layer_fn(params_l, state, index):
@@ -107,9 +139,18 @@ class Transformer(nn.Module):
                 "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype, param_dtype, name="lm_head"
             )(x_BTD)
         logits_BTV = logits_BTV.astype(jnp.float32)
+        if cache is not None:
+            return logits_BTV, cache
         if not return_stats:
             return logits_BTV
         n_sub = 2 * cfg.n_layers
         stats = {k: v.reshape((n_sub,) + v.shape[2:]) for k, v in stats.items()}
         stats["n_sources"] = jnp.asarray(plan.n_sources)
         return logits_BTV, stats
+
+
+def init_cache(model_cfg, batch: int, max_len: int):
+    """An empty attention cache for `batch` sequences of up to `max_len` tokens:
+    (keys, values), each [L, B, max_len, n_kv_heads, head_dim] in the compute dtype."""
+    shape = (model_cfg.n_layers, batch, max_len, model_cfg.n_kv_heads, model_cfg.head_dim)
+    return tuple(jnp.zeros(shape, dtype_of(model_cfg.dtype)) for _ in range(2))

@@ -16,7 +16,7 @@ REPLACEMENT_MODES = ("full_attnres", "block_attnres")
 ADDITIVE_MODES = ("delta", "delta_block")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = ("none", "full", "dots")
-ROUTING_IMPLS = ("xla",)
+ROUTING_IMPLS = ("xla", "pallas", "pallas_tpu", "pallas_gpu")  # see DepthRouter
 
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
 
@@ -39,7 +39,8 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
             param_dtype="float32",
             scan_layers=True,
             remat="none",
-            residual=dict(mode="delta_block", block_layers=4, include_partial=True, impl="xla", gate=False, null_source=False),
+            residual=dict(mode="delta_block", block_layers=4, include_partial=True, impl="xla", interpret=False,
+                          gate=False, null_source=False),
         )
     )
     residual = overrides.pop("residual", {})
@@ -60,7 +61,8 @@ def validate_model_config(cfg) -> None:
             _fail(field, value, "must be a positive integer")
     if cfg.n_heads % cfg.n_kv_heads:
         _fail("n_kv_heads", cfg.n_kv_heads, f"must divide n_heads={cfg.n_heads}")
-    for field in ("tie_embeddings", "scan_layers", "residual.include_partial", "residual.gate", "residual.null_source"):
+    for field in ("tie_embeddings", "scan_layers", "residual.include_partial", "residual.gate", "residual.null_source",
+                  "residual.interpret"):
         value = cfg.residual.get(field[9:], False) if field.startswith("residual.") else cfg[field]
         if not isinstance(value, bool):
             _fail(field, value, "must be true or false")
@@ -80,6 +82,8 @@ def validate_model_config(cfg) -> None:
     for field in ("gate", "null_source"):
         if res.get(field, False) and res.mode not in ADDITIVE_MODES:
             _fail(f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
+    if res.get("impl", "xla") != "xla" and res.get("null_source", False):
+        _fail("residual.impl", res.impl, "the Pallas kernel has no null source; use impl='xla' with null_source")
     block = res.block_layers
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= cfg.n_layers:
         _fail("residual.block_layers", block, f"must be an integer in [1, n_layers={cfg.n_layers}]")

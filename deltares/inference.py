@@ -34,13 +34,15 @@ def _is_hf_dir(path: str) -> bool:
 
 
 def check_params(params, model_cfg) -> None:
-    """Raises ValueError naming the first parameter whose shape the config does not expect."""
+    """Raises ValueError naming the first parameter that is missing, extra, or shaped unlike the
+    parameters of `model_cfg` (a checkpoint that does not match its saved config)."""
     want = nn.meta.unbox(abstract_params(Transformer(model_cfg), 1))
-    have = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-    for key, leaf in jax.tree_util.tree_flatten_with_path(want)[0]:
-        name = jax.tree_util.keystr(key)
-        if have.get(name) != leaf.shape:
-            raise ValueError(f"checkpoint parameter {name} has shape {have.get(name, 'none')}, its config needs {leaf.shape}")
+    got = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    need = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(want)[0]}
+    for name in sorted(set(got) | set(need)):
+        if got.get(name) != need.get(name):
+            raise ValueError(f"the checkpoint does not match its saved config: parameter {name} is "
+                             f"{got.get(name, 'missing')} in the checkpoint, the config needs {need.get(name, 'none')}")
 
 
 def load_model(path: str) -> LoadedModel:

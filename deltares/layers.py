@@ -143,6 +143,8 @@ class DepthRouter(nn.Module):
 
     gate: bool = False
     null_source: bool = False
+    impl: str = "xla"  # else the fused Pallas kernel ("pallas": best for the backend), which returns no weights
+    interpret: bool = False  # run the kernel in Pallas interpret mode (CPU tests)
 
     @nn.compact
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
@@ -152,11 +154,43 @@ class DepthRouter(nn.Module):
         null = None
         if self.null_source:
             null = self.param("null_source", _param_init(nn.initializers.zeros, ("embed",)), (D,), jnp.float32)
-        if not self.gate:
-            return routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query, gain, residual_BTD, null)
-        if residual_BTD is None:
-            raise ValueError("a routing gate needs additive routing (a residual)")
-        gate = self.param("gate", _param_init(nn.initializers.zeros, ("norm",)), (1,), jnp.float32)
-        route_BTD, weights_SBT = routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query, gain, None, null)
+        gate = None
+        if self.gate:
+            if residual_BTD is None:
+                raise ValueError("a routing gate needs additive routing (a residual)")
+            gate = self.param("gate", _param_init(nn.initializers.zeros, ("norm",)), (1,), jnp.float32)
+        inner_residual = residual_BTD if gate is None else None
+        if self.impl == "xla":
+            route_BTD, weights_SBT = routing.route_normalized(
+                sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null
+            )
+        else:
+            route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual,
+                                                  self.impl, self.interpret), None
+        if gate is None:
+            return route_BTD, weights_SBT
         out_BTD = residual_BTD.astype(jnp.float32) + gate[0] * route_BTD.astype(jnp.float32)
         return out_BTD.astype(sources_SBTD.dtype), weights_SBT
+
+
+def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool):
+    """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of
+    several devices it runs inside `jax.shard_map`, tokens split over the batch axes, D whole."""
+    from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
+
+    def route(sources, valid, query, gain, residual):
+        implementation = None if impl == "pallas" else impl
+        return depth_route(sources, valid, query, gain, residual, implementation=implementation, interpret=interpret)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
+    batch = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1) or None
+    P = jax.sharding.PartitionSpec
+    src, btd = P(None, batch, None, None), P(batch, None, None)
+    if residual_BTD is None:
+        fn = jax.shard_map(lambda s, v, q, g: route(s, v, q, g, None), mesh=mesh,
+                           in_specs=(src, P(), P(), P()), out_specs=btd)
+        return fn(sources_SBTD, valid, query_D, gain_D)
+    fn = jax.shard_map(route, mesh=mesh, in_specs=(src, P(), P(), P(), btd), out_specs=btd)
+    return fn(sources_SBTD, valid, query_D, gain_D, residual_BTD)

@@ -128,7 +128,9 @@ class Transformer(nn.Module):
             stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if return_stats else None
 
         if plan.replaces_stream:
-            out_BTD, _ = DepthRouter(name="final_router")(state.sources_SBTD, state.inv_rms_SBT, plan.final_read)
+            res = cfg.residual
+            final_router = DepthRouter(impl=res.get("impl", "xla"), interpret=res.get("interpret", False), name="final_router")
+            out_BTD, _ = final_router(state.sources_SBTD, state.inv_rms_SBT, plan.final_read)
         else:
             out_BTD = state.h_BTD
         x_BTD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(out_BTD)

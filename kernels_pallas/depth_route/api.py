@@ -1,0 +1,154 @@
+"""Fused depth routing: public entry point, dispatch and the custom VJP.
+
+    z_i = w . RMSNorm_g(s_i)    a = softmax_i(z) over valid sources    out = [residual +] sum_i a_i s_i
+
+`depth_route(sources, valid, query, gain, residual=None, *, implementation=None)` means what
+`deltares.routing.depth_route` means (the oracle, here the "xla" implementation) and returns
+the output only, in the sources' dtype. The kernels ("pallas_tpu": Mosaic, "pallas_gpu":
+Triton) make one pass over the sources per token tile: each source's 1/rms and logit against
+q = w * g, and a float32 online softmax (running max, sum and weighted sum), then the residual
+add. They save the per-token log-sum-exp for the backward (not the weights), which is a
+Pallas kernel too: it re-reads the valid sources twice (first for c = sum_k a_k dout.s_k, then
+for ds_k), writes ds once, and returns per-tile partial dq, reduced outside; dw = dq g and
+dg = dq w follow by autodiff of q = w * g. Bytes moved per call (input dtype):
+forward (S + 1 [+ 1 residual]) N D, backward (2 S + 1) N D read + S N D written, counting
+only valid sources in the reads (invalid ones are skipped without a DMA on TPU).
+
+Masks: `valid` [S] (static or traced) or anything broadcastable to [S, B, T] (per-token; sent
+to the kernels as a float32 additive bias [S, B*T]). Masked sources get zero gradient.
+
+Dispatch: implementation=None picks the kernel of the platform being targeted (the platform
+of the surrounding mesh, e.g. a `jax.set_mesh` or `jax.shard_map` over TPU devices compiled
+ahead of time, else `jax.default_backend()`): TPU -> pallas_tpu, GPU -> pallas_gpu, else xla.
+A kernel that cannot run (another platform without interpret=True, or shapes it cannot tile)
+falls back to xla with a one-time warning. Under `jax.jit` with sharded inputs a Pallas call
+is not partitioned by XLA: call it inside `jax.shard_map` (tokens split, D whole).
+
+Two-phase routing (Kimi, not implemented here): pseudo-queries do not depend on the input, so
+for the K sublayers of a block the logits against the sources completed before the block are
+one [K, D] x [S, tokens, D] product, and their K online softmaxes one pass over those sources
+(K accumulators per tile, K lse). Each sublayer then merges that partial result with its
+intra-block sources through the lse (softmax merge: out = (e^{lse1} o1 + e^{lse2} o2) /
+(e^{lse1} + e^{lse2})). It divides source reads by K; the kernel here is its K = 1 case, and
+its lse output is what the merge needs.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from deltares import routing
+from kernels_pallas import varying_axes, vary_like
+from kernels_pallas.depth_route import reference
+
+IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
+_PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def target_platform() -> str:
+    """'tpu', 'gpu', 'cpu', ...: the surrounding mesh's platform, else the default backend's."""
+    try:
+        platform = getattr(jax.sharding.get_abstract_mesh().abstract_device, "platform", None)
+    except Exception:  # noqa: BLE001 - no mesh API or no mesh
+        platform = None
+    platform = platform or jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def _backend(impl: str):
+    if impl == "pallas_tpu":
+        from kernels_pallas.depth_route import pallas_tpu as module
+    else:
+        from kernels_pallas.depth_route import pallas_gpu as module
+    return module
+
+
+def _resolve(implementation, interpret, N, D, dtype) -> str:
+    platform = target_platform()
+    impl = implementation or {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
+    if impl == "xla":
+        return impl
+    want = _PLATFORM_OF[impl]
+    if not interpret and platform != want:
+        reason = f"it compiles for {want} only (or runs with interpret=True), the target is {platform}"
+    else:
+        reason = _backend(impl).unsupported(N, D, dtype)
+    if reason:
+        _warn_once(f"depth_route: {impl} cannot run ({reason}); using the xla implementation")
+        return "xla"
+    return impl
+
+
+def _check(sources, valid, query, gain, residual, eps) -> None:
+    """The oracle's own argument checks (ValueError naming the argument), on shapes only."""
+    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                           (sources, valid, query, gain, residual))
+    jax.eval_shape(functools.partial(routing.depth_route, eps=eps), *structs)
+
+
+def _masks(valid, S, B, T):
+    """(valid_S int32, additive bias [S, B*T] float32 or None for a per-source mask)."""
+    v = jnp.asarray(valid, bool).reshape(routing._mask_shape(valid, S))
+    if v.shape[1:] == (1, 1):
+        return jnp.broadcast_to(v[:, 0, 0], (S,)).astype(jnp.int32), None
+    v_SN = jnp.broadcast_to(v, (S, B, T)).reshape(S, B * T)
+    return v_SN.any(axis=1).astype(jnp.int32), jnp.where(v_SN, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _route(cfg, src_SND, valid_S, bias_SN, q_D, res_ND):
+    return _route_fwd(cfg, src_SND, valid_S, bias_SN, q_D, res_ND)[0]
+
+
+def _route_fwd(cfg, src_SND, valid_S, bias_SN, q_D, res_ND):
+    impl, eps, interpret, _ = cfg
+    out_ND, lse = _backend(impl).forward(src_SND, valid_S, bias_SN, q_D, res_ND, eps=eps, interpret=interpret)
+    return out_ND, (src_SND, valid_S, bias_SN, q_D, lse)
+
+
+def _route_bwd(cfg, saved, dout_ND):
+    impl, eps, interpret, res_dtype = cfg
+    src_SND, valid_S, bias_SN, q_D, lse = saved
+    ds_SND, dq_D = _backend(impl).backward(src_SND, valid_S, bias_SN, q_D, lse, dout_ND, eps=eps,
+                                           interpret=interpret)
+    dres_ND = None if res_dtype is None else dout_ND.astype(res_dtype)
+    return ds_SND, None, None, dq_D, dres_ND
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+def depth_route(sources, valid, query, gain, residual=None, *, implementation=None, interpret=False, eps=1e-6):
+    """Route over `sources` [S, B, T, D] (see the module docstring); returns [B, T, D].
+
+    implementation: "xla", "pallas_tpu", "pallas_gpu" or None (best for the target platform).
+    interpret: run the Pallas kernel in interpret mode (on CPU, for tests): True, or for
+      pallas_tpu a `pltpu.InterpretParams()` for the TPU interpret mode.
+    """
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    valid = jnp.asarray(valid, bool)
+    _check(sources, valid, query, gain, residual, eps)
+    S, B, T, D = sources.shape
+    impl = _resolve(implementation, interpret, B * T, D, sources.dtype)
+    if impl == "xla":
+        return reference.depth_route(sources, valid, query, gain, residual, eps=eps)
+    valid_S, bias_SN = _masks(valid, S, B, T)
+    q_D = query.astype(jnp.float32) * gain.astype(jnp.float32)
+    res_ND = None if residual is None else residual.reshape(B * T, D)
+    args = [sources.reshape(S, B * T, D), valid_S, bias_SN, q_D, res_ND]
+    args = vary_like(args, frozenset().union(*(varying_axes(x) for x in args if x is not None)))
+    cfg = (impl, float(eps), interpret, None if residual is None else jnp.dtype(residual.dtype).name)
+    out_ND = _route(cfg, *args)
+    return out_ND.reshape(B, T, D)

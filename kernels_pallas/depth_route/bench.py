@@ -1,0 +1,136 @@
+"""Benchmark of depth routing: the XLA reference against the Pallas kernel and the memory floor.
+
+    python -m kernels_pallas.depth_route.bench                     # all shapes, bfloat16
+    python -m kernels_pallas.depth_route.bench --shapes 1044m_s73 --dtype float32 --iters 50
+
+Per shape, a markdown table: forward and forward+backward times of the XLA reference and of
+the kernel, and the floor set by the bytes that must move at the bandwidth of a large device
+copy measured at the start. Forward: read S sources and the residual, write the output;
+backward: read S sources and dout, write S source gradients (the residual's is dout itself).
+On a CPU the token count is scaled down (to --cpu_tokens) and the kernel is skipped, since
+interpret mode is no speed measurement, unless --implementation forces it (then in interpret mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.depth_route import api, reference
+
+SHAPES = {  # name: (S, tokens B*T, D)
+    "1044m_s5": (5, 16384, 1280),  # 1044M model, block modes (few sources)
+    "1044m_s73": (73, 16384, 1280),  # 1044M model, per-sublayer modes: 2L + 1 sources
+    "7b6_s5": (5, 8192, 4096),  # 7.6B model, block modes
+}
+
+
+def timeit(fn, args, iters: int) -> float:
+    """Median seconds of one call (after a warm-up call that compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Bytes per second of a device copy (read + write) of an nbytes array."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    seconds = timeit(jax.jit(lambda x: x * 1.0), (x,), iters)  # not elided: the input is not donated
+    return 2 * x.nbytes / seconds
+
+
+def make_args(S, N, D, dtype, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    sources = jax.random.normal(k[0], (S, 1, N, D), dtype)
+    query = jax.random.normal(k[1], (D,), jnp.float32) / np.sqrt(D)
+    gain = jnp.ones((D,), jnp.float32)
+    residual = jax.random.normal(k[2], (1, N, D), dtype)
+    return sources, jnp.ones((S,), bool), query, gain, residual
+
+
+def programs(route):
+    """Jitted forward and forward+backward (grads of sources, query, gain, residual)."""
+    fwd = jax.jit(route)
+
+    def loss(sources, valid, query, gain, residual):
+        return jnp.sum(route(sources, valid, query, gain, residual).astype(jnp.float32))
+
+    return fwd, jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
+
+
+def bench_shape(name, S, N, D, dtype, impl, interpret, iters, bandwidth, note=""):
+    itemsize = jnp.dtype(dtype).itemsize
+    fwd_bytes = (S + 2) * N * D * itemsize
+    bwd_bytes = (2 * S + 1) * N * D * itemsize
+    args = make_args(S, N, D, dtype)
+    rows = [("floor (bytes / copy bandwidth)", fwd_bytes / bandwidth, (fwd_bytes + bwd_bytes) / bandwidth)]
+    fwd, both = programs(lambda *a: reference.depth_route(*a))
+    rows.append(("xla reference", timeit(fwd, args, iters), timeit(both, args, iters)))
+    if impl is None:
+        rows.append((f"kernel: {note}", None, None))
+    else:
+        fwd, both = programs(lambda *a: api.depth_route(*a, implementation=impl, interpret=interpret))
+        label = f"{impl}{' (interpret mode)' if interpret else ''}"
+        rows.append((label, timeit(fwd, args, iters), timeit(both, args, iters)))
+    floor_fwd, floor_both = rows[0][1], rows[0][2]
+    print(f"\n### {name}: S={S}, B*T={N}, D={D}, {jnp.dtype(dtype).name}\n")
+    print(f"forward moves {fwd_bytes / 1e6:.1f} MB, backward {bwd_bytes / 1e6:.1f} MB\n")
+    print("| implementation | forward ms | x floor | fwd+bwd ms | x floor |")
+    print("|---|---:|---:|---:|---:|")
+    for label, t_fwd, t_both in rows:
+        if t_fwd is None:
+            print(f"| {label} | - | - | - | - |")
+            continue
+        print(f"| {label} | {1e3 * t_fwd:.3f} | {t_fwd / floor_fwd:.2f} | {1e3 * t_both:.3f} | "
+              f"{t_both / floor_both:.2f} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per program (default 20, 3 on CPU)")
+    parser.add_argument("--implementation", default=None, choices=api.IMPLEMENTATIONS[1:],
+                        help="kernel to time (default: the platform's; on CPU none, unless given here)")
+    parser.add_argument("--cpu_tokens", type=int, default=1024, help="B*T used on a CPU (default 1024)")
+    parser.add_argument("--small", action="store_true", help="use --cpu_tokens on any platform")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+
+    platform = api.target_platform()
+    on_cpu = platform not in ("tpu", "gpu")
+    iters = args.iters or (3 if on_cpu else 20)
+    device = jax.devices()[0]
+    bandwidth = copy_bandwidth((64 if on_cpu else 1024) * 2**20, iters)
+    print(f"device: {device.device_kind} ({platform}); copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"median of {iters} calls")
+    impl, interpret, note = args.implementation, False, ""
+    if impl is None and not on_cpu:
+        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}[platform]
+    elif impl is None:
+        note = "skipped on CPU (interpret mode is no speed measurement; --implementation forces it)"
+    elif api._PLATFORM_OF[impl] != platform:
+        interpret = True
+    scale = on_cpu or args.small
+    if scale:
+        print(f"B*T scaled down to {args.cpu_tokens} tokens per shape"
+              f"{' on CPU' if on_cpu else ''} (--cpu_tokens); the floors scale with it")
+    for name in args.shapes.split(","):
+        S, N, D = SHAPES[name]
+        bench_shape(name, S, args.cpu_tokens if scale else N, D, jnp.dtype(args.dtype), impl, interpret, iters,
+                    bandwidth, note)
+
+
+if __name__ == "__main__":
+    main()

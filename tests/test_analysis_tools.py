@@ -1,0 +1,303 @@
+"""The analysis tools on small trained `debug` runs: `deltares.analyze` (routing statistics and figures),
+`deltares.compare` (the results table) and `deltares.bench` (throughput and memory per mode), and their
+one-line errors for bad input.
+
+Three runs of the debug recipe (30 steps; delta_block, full_attnres, baseline) are trained once for the
+module. Compiled executables are cached on disk as in test_train.py (`DELTARES_TEST_JAX_CACHE`); with the
+debug recipe unchanged, the train steps are the ones test_train.py and the benchmark compile.
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import flax.linen as nn
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from deltares.analyze import AnalysisError, Run, analyze, analyze_run, source_names
+from deltares.checkpoint import load_checkpoint
+from deltares.compare import compare
+from deltares.data.dataset import TokenData, eval_batches
+from deltares.data.prepare import prepare
+from deltares.eval import evaluate_checkpoint
+from deltares.model import Transformer
+from deltares.steps import make_stats_step
+from deltares.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "deltares-test-jax-cache"))
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+ENV = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    JAX_COMPILATION_CACHE_DIR=CACHE,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+)
+MODES = ("delta_block", "full_attnres", "baseline")
+STEPS, BATCH, EVAL_BATCHES = 30, 4, 2  # the debug recipe
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def debug_config(mode):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("debug_experiment", os.path.join(ROOT, "experiments", "debug.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(mode)
+
+
+def run(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def describe(proc):
+    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+def assert_clean_error(proc, *words):
+    """Non-zero exit; stderr is one line `error: ...` containing `words`, no traceback."""
+    assert proc.returncode not in (0, None), describe(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), describe(proc)
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "dataset"
+    prepare("builtin", "bytes", str(out), val_fraction=0.05, progress=False)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, tmp_path_factory):
+    """{mode: workdir} of three finished runs of the debug recipe."""
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for mode in MODES:
+        cfg = debug_config(mode)
+        cfg.data.dataset = dataset
+        assert (cfg.train.steps, cfg.train.global_batch, cfg.train.eval_batches) == (STEPS, BATCH, EVAL_BATCHES)
+        out[mode] = str(root / f"debug_{mode}")
+        train(cfg, out[mode])
+    return out
+
+
+def assert_png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE, path
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()
+        assert image.size[0] > 100 and image.size[1] > 100
+
+
+# ----------------------------------------------------------------------------- analyze
+
+
+def test_analyze_json_figures_and_model_stats(runs, dataset, tmp_path):
+    out = tmp_path / "analysis"
+    report = analyze([runs[m] for m in MODES], out=str(out), batch=BATCH, max_batches=2)
+    saved = json.loads((out / "routing.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    assert {"runs", "figures", "batch", "max_batches"} <= saved.keys()
+    for name in ("heatmap_debug_delta_block", "heatmap_debug_full_attnres", "max_weight_depth", "curves"):
+        assert os.path.getsize(saved["figures"][name]) > 1000
+        assert_png(saved["figures"][name])
+    assert "heatmap_debug_baseline" not in saved["figures"]  # nothing routed
+    assert sorted(os.listdir(out)) == sorted(
+        ["routing.json", "heatmap_debug_delta_block.png", "heatmap_debug_full_attnres.png", "max_weight_depth.png",
+         "curves.png"])
+
+    by_mode = {r["mode"]: r for r in saved["runs"]}
+    assert by_mode["baseline"]["routed_sublayers"] == 0 and by_mode["baseline"]["sublayers"] == []
+    batches = eval_batches(TokenData(dataset).tokens("val"), 32, BATCH, 2)
+    for mode in ("delta_block", "full_attnres"):
+        r = by_mode[mode]
+        assert r["step"] == STEPS and r["tokens"] == 2 * BATCH * 32 and r["data"].endswith("val.bin")
+        # 3 layers: 6 sublayers, plus the output router of the Kimi mode
+        assert [s["name"] for s in r["sublayers"]] == [f"L{j // 2}.{('attn', 'mlp')[j % 2]}" for j in range(6)] + (
+            ["final"] if mode == "full_attnres" else [])
+        for s in r["sublayers"]:
+            assert {"index", "name", "routed", "n_sources", "sources", "weights", "max_weight", "entropy"} <= s.keys()
+            assert len(s["sources"]) == len(s["weights"]) == s["n_sources"]
+            assert sum(s["weights"]) == pytest.approx(1.0, abs=1e-5)
+            mw, ent = s["max_weight"], s["entropy"]
+            assert 1 / s["n_sources"] - 1e-6 <= mw["min"] <= mw["q25"] <= mw["median"] <= mw["q75"] <= mw["max"] <= 1 + 1e-6
+            assert mw["min"] <= mw["mean"] <= mw["max"]
+            assert -1e-6 <= ent["min"] <= ent["mean"] <= ent["max"] <= math.log(s["n_sources"]) + 1e-5
+            assert s["routed"] == (s["n_sources"] > 1)
+        assert r["routed_sublayers"] == sum(s["routed"] and s["name"] != "final" for s in r["sublayers"])
+        assert 0 < r["mean_max_weight"] <= 1
+
+        # independent check: the model's own batch-mean statistics (return_stats) on the same batches
+        ckpt = load_checkpoint(runs[mode])
+        stats_step = jax.jit(make_stats_step(Transformer(ml_collections.ConfigDict(ckpt.config).model)))
+        stats = [jax.device_get(stats_step(ckpt.state["params"], jnp.asarray(b))) for b in batches]
+        for s in r["sublayers"][:6]:
+            j = s["index"]
+            if not s["routed"]:
+                continue
+            np.testing.assert_allclose(s["slot_weights"], np.mean([st["weights"][j] for st in stats], axis=0), atol=1e-5)
+            assert s["max_weight"]["mean"] == pytest.approx(np.mean([st["max_weight"][j] for st in stats]), abs=1e-5)
+            assert s["entropy"]["mean"] == pytest.approx(np.mean([st["entropy"][j] for st in stats]), abs=1e-4)
+
+    # source names (debug: 3 layers, block_layers=2, so blocks {0, 1} and {2})
+    block = {s["name"]: s["sources"] for s in by_mode["delta_block"]["sublayers"]}
+    assert block["L0.mlp"] == ["e", "partial"] and block["L1.mlp"] == ["e", "partial"]
+    assert block["L2.attn"] == ["e", "c0"] and block["L2.mlp"] == ["e", "c0", "partial"]
+    full = {s["name"]: s["sources"] for s in by_mode["full_attnres"]["sublayers"]}
+    assert full["L0.attn"] == ["e"] and full["L2.mlp"] == ["e", "v0", "v1", "v2", "v3", "v4"]
+    assert full["final"] == ["e", "v0", "v1", "v2", "v3", "v4", "v5"]
+
+
+def test_source_names_of_every_mode():
+    cfg = debug_config("delta").model
+    assert source_names(cfg, 3) == ["e", "v0", "v1", "v2", None, None, None]
+    cfg = debug_config("block_attnres,block_layers=1").model
+    assert source_names(cfg, 2) == ["e", "c0", None, None]  # layer 1 opens block 1: no partial yet
+    assert source_names(cfg, 3) == ["e", "c0", "partial", None]
+    assert source_names(cfg, None) == ["e", "c0", "c1", "c2"]  # the output router reads the completed blocks
+
+
+def test_null_source_is_reported():
+    """A converted model's null source (config.model.residual.null_source) is one more source, `null`; at
+    initialisation (zero query) every routing is uniform over the real sources and the null source."""
+    cfg = debug_config("delta_block")
+    cfg.model.residual.null_source = True
+    tokens_BT = np.arange(2 * 33, dtype=np.int32).reshape(2, 33) % 257
+    params = nn.meta.unbox(jax.jit(Transformer(cfg.model).init)(jax.random.key(0), tokens_BT[:, :-1])["params"])
+    result = analyze_run(Run("init", "/nowhere", 0, cfg, params), [tokens_BT])
+    routed = [s for s in result["sublayers"] if s["routed"]]
+    assert [s["name"] for s in routed] == ["L0.mlp", "L1.attn", "L1.mlp", "L2.attn", "L2.mlp"]
+    for s in result["sublayers"]:
+        assert s["sources"][-1] == "null" and s["n_sources"] == len(s["sources"])
+        np.testing.assert_allclose(s["weights"], 1 / s["n_sources"], rtol=1e-5)
+        assert s["max_weight"]["mean"] == pytest.approx(1 / s["n_sources"], rel=1e-5)
+        assert s["entropy"]["mean"] == pytest.approx(math.log(s["n_sources"]), rel=1e-5)
+
+
+def test_analyze_cli_checkpoint_and_text_file(runs, tmp_path):
+    """A step directory as --checkpoint, a plain text file as --data, the default --out (under the first
+    --workdir: absl does not keep the order of different flags, so workdirs come before checkpoints)."""
+    text = tmp_path / "text.txt"
+    text.write_text("Call me Ishmael. Some years ago, never mind how long precisely, having little money. " * 40)
+    step_dir = os.path.join(runs["delta_block"], "checkpoints", str(STEPS))
+    proc = run("deltares.analyze", "--checkpoint", step_dir, "--workdir", runs["full_attnres"], "--data", str(text),
+               "--batch", str(BATCH), "--max_batches", "2")  # the shapes of the in-process test
+    assert proc.returncode == 0, describe(proc)
+    out = os.path.join(runs["full_attnres"], "analysis")
+    assert re.search(r"^\| debug_delta_block \| delta_block \| 30 \| 256 \| 5 \| 0\.\d+ \|", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\| debug_full_attnres \| full_attnres \| 30 \| ", proc.stdout, re.M), proc.stdout
+    report = json.loads(open(os.path.join(out, "routing.json")).read())
+    assert [(r["name"], r["data"]) for r in report["runs"]] == [("debug_full_attnres", str(text)),
+                                                                ("debug_delta_block", str(text))]
+    for name in ("heatmap_debug_delta_block.png", "heatmap_debug_full_attnres.png", "max_weight_depth.png", "curves.png"):
+        assert_png(os.path.join(out, name))
+    shutil.rmtree(out)
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def test_compare_table_matches_eval(runs, dataset, tmp_path):
+    out = tmp_path / "results.md"
+    proc = run("deltares.compare", *(runs[m] for m in MODES), "--out", str(out))
+    assert proc.returncode == 0, describe(proc)
+    assert out.read_text().strip() == proc.stdout.strip() == compare([runs[m] for m in MODES])
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "| scale | Baseline | Full AttnRes | Delta Block |"  # the paper's column order
+    paper_row = lines[2].split(" | ")
+    assert paper_row[0] == "| debug (d32, L3)"
+    rows = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0].startswith("debug_"):
+            rows[cells[0]] = cells
+    assert sorted(rows) == sorted(f"debug_{m}" for m in MODES)
+    for mode in MODES:
+        name, shown_mode, scale, step, tokens, ppl, bpb, tok_s, peak = rows[f"debug_{mode}"]
+        assert shown_mode.split(",")[0] == mode and scale == "debug (d32, L3)" and step == str(STEPS)
+        assert tokens == f"{STEPS * BATCH * 32 / 1000:.3g}K"
+        # independent: deltares.eval on the trainer's validation set (batches of 4, at most 2)
+        want = evaluate_checkpoint(runs[mode], dataset, batch=BATCH, max_batches=EVAL_BATCHES)
+        assert float(ppl) == pytest.approx(want["val_ppl"], abs=0.006)
+        assert float(bpb) == pytest.approx(want["val_bpb"], abs=6e-5)
+        assert float(tok_s.replace(",", "")) > 0
+        assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", peak), peak  # train.py records peak_bytes
+        assert f" {ppl} " in lines[2]  # the same perplexity in the paper-style row
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def test_bench_rows_per_mode():
+    proc = run("deltares.bench", "--config", os.path.join(ROOT, "experiments", "debug.py"), "--steps", "1",
+               "--rounds", "1", "--modes", "delta_block,baseline")
+    assert proc.returncode == 0, describe(proc)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in MODES:
+            rows[cells[0]] = cells
+    assert list(rows) == ["baseline", "delta_block"]  # baseline first, each mode once
+    assert rows["baseline"][3] == "1.000x" and rows["baseline"][8] == "1.00x"
+    for cells in rows.values():
+        ms, tok_s, ratio, mfu, compile_s, args_mib, temp_mib = cells[1:8]
+        assert float(ms) > 0 and float(tok_s.replace(",", "")) > 0 and ratio.endswith("x") and mfu.endswith("%")
+        assert float(compile_s) >= 0 and float(args_mib) > 0 and float(temp_mib) > 0
+    assert "batch=4 seq=32" in proc.stdout  # the config's batch and length by default
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _copy_with_config(workdir, dest, section, key, value):
+    shutil.copytree(workdir, dest)
+    path = os.path.join(dest, "checkpoints", str(STEPS), "config", "metadata")
+    config = json.loads(open(path).read())
+    config[section][key] = value
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return str(dest)
+
+
+def test_bad_input_is_one_line(runs, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_clean_error(run("deltares.analyze", "--workdir", str(empty)), "no checkpoint", str(empty))
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        compare([runs["baseline"], str(empty)])
+
+    no_metrics = tmp_path / "no_metrics"
+    shutil.copytree(runs["baseline"], no_metrics)
+    os.remove(no_metrics / "metrics.jsonl")
+    assert_clean_error(run("deltares.compare", str(no_metrics)), "no metrics.jsonl", str(no_metrics))
+
+    other_model = _copy_with_config(runs["delta_block"], tmp_path / "other_model", "model", "d_model", 48)
+    assert_clean_error(run("deltares.analyze", "--workdir", other_model, "--out", str(tmp_path / "x")),
+                       "does not match its saved config", "embed")
+    assert not (tmp_path / "x").exists()
+    other_batch = _copy_with_config(runs["delta_block"], tmp_path / "other_batch", "train", "global_batch", 8)
+    with pytest.raises(AnalysisError, match="does not match the checkpoint's config"):
+        compare([other_batch])
+
+    assert_clean_error(run("deltares.bench", "--config", os.path.join(ROOT, "experiments", "debug.py"), "--modes",
+                           "baseline,deltaa"), "unknown mode deltaa", "delta_block")

@@ -363,6 +363,9 @@ def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: s
         fits=bool(hbm is not None and total <= hbm),
         xla_flops_per_device=xla_flops,
         xla_flops_per_step=xla_flops * len(devices),
+        routing_impl=cfg.model.residual.get("impl", "xla"),
+        # Mosaic kernels in the compiled program: the fused depth routing when impl is a kernel.
+        pallas_kernel_calls=compiled.as_text().count('custom_call_target="tpu_custom_call"'),
     )
     return report
 

@@ -153,3 +153,18 @@ def test_jaxpr_flops_counts_scans_and_grads():
     assert aot.jaxpr_flops(jax.make_jaxpr(jax.grad(layers))(w, a).jaxpr) == 3 * forward
     remat = jax.checkpoint(layers)
     assert aot.jaxpr_flops(jax.make_jaxpr(jax.value_and_grad(remat))(w, a).jaxpr) == 4 * forward
+
+
+@needs_libtpu
+def test_fused_routing_kernel_compiles_into_the_train_step():
+    """impl=pallas: the Mosaic depth-routing kernel, inside shard_map over the fsdp axis, is part of
+    the compiled TPU train step (forward and backward kernels), with no fallback to xla."""
+    args = ("--config", "experiments/debug.py:delta_block", "--topology", "v5e:2x2", "--json",
+            "--config.model.remat=full", "--config.model.dtype=bfloat16")
+    kernel = run_aot(*args, "--config.model.residual.impl=pallas")
+    assert kernel.returncode == 0, kernel.stderr
+    assert "using the xla implementation" not in kernel.stderr
+    r = report_of(kernel)
+    assert r["fits"] is True and r["routing_impl"] == "pallas"
+    assert r["pallas_kernel_calls"] >= 2
+    assert report_of(run_aot(*args))["pallas_kernel_calls"] == 0

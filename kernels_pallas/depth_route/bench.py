@@ -9,6 +9,11 @@ copy measured at the start. Forward: read S sources and the residual, write the 
 backward: read S sources and dout, write S source gradients (the residual's is dout itself).
 On a CPU the token count is scaled down (to --cpu_tokens) and the kernel is skipped, since
 interpret mode is no speed measurement, unless --implementation forces it (then in interpret mode).
+
+Then the train step (deltares.bench: forward, backward and AdamW update) of the 1044M model
+(experiments/s1044m.py, bf16, remat full) for baseline, delta_block and delta, with routing by
+XLA and by the kernel, relative to baseline; `--train_layers` fewer layers when memory is short.
+Skipped on a CPU unless --train_step is given.
 """
 
 from __future__ import annotations
@@ -103,6 +108,10 @@ def main(argv=None):
                         help="kernel to time (default: the platform's; on CPU none, unless given here)")
     parser.add_argument("--cpu_tokens", type=int, default=1024, help="B*T used on a CPU (default 1024)")
     parser.add_argument("--small", action="store_true", help="use --cpu_tokens on any platform")
+    parser.add_argument("--train_step", action="store_true", help="also time the train step on a CPU")
+    parser.add_argument("--train_layers", type=int, default=36, help="layers of the 1044M model in the train step")
+    parser.add_argument("--train_batch", type=int, default=8, help="sequences per train step")
+    parser.add_argument("--train_seq", type=int, default=2048, help="tokens per sequence in the train step")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -130,6 +139,38 @@ def main(argv=None):
         S, N, D = SHAPES[name]
         bench_shape(name, S, args.cpu_tokens if scale else N, D, jnp.dtype(args.dtype), impl, interpret, iters,
                     bandwidth, note)
+    if on_cpu and not args.train_step:
+        print("\ntrain step: skipped on CPU (--train_step runs it, with --train_layers/--train_batch/--train_seq)")
+        return
+    train_step_table(args.train_layers, args.train_batch, args.train_seq, impl if impl else "pallas", interpret)
+
+
+def train_step_table(layers: int, batch: int, seq_len: int, impl: str, interpret: bool) -> None:
+    """Train-step time of baseline, delta_block and delta at 1044M, routing by XLA and by the kernel."""
+    import importlib.util  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from deltares import bench  # noqa: PLC0415
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "s1044m.py")
+    spec = importlib.util.spec_from_file_location("s1044m", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config("delta_block")
+    cfg.model.update(n_layers=layers, remat="full", dtype="bfloat16")
+    cfg.model.residual.block_layers = min(cfg.model.residual.block_layers, layers)
+    print(f"\ntrain step, 1044M with {layers} layers, batch {batch} x {seq_len}, bf16, remat full "
+          f"(median of 3 rounds x 3 steps):")
+    base_ms = None
+    print("| mode | routing | step ms | vs baseline |\n|---|---|---|---|")
+    for routing_impl in ("xla", impl):
+        cfg.model.residual.update(impl=routing_impl, interpret=interpret and routing_impl != "xla")
+        modes = ["baseline", "delta_block", "delta"] if base_ms is None else ["delta_block", "delta"]
+        results = bench.benchmark(cfg, modes, batch, seq_len, rounds=3, steps=3)
+        for mode, r in results.items():
+            ms = statistics.median(r.step_s) * 1e3
+            base_ms = ms if mode == "baseline" else base_ms
+            print(f"| {mode} | {'-' if mode == 'baseline' else routing_impl} | {ms:.1f} | {ms / base_ms:.3f}x |")
 
 
 if __name__ == "__main__":

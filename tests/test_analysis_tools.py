@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import jax
 import flax.linen as nn
@@ -33,19 +32,7 @@ from deltares.model import Transformer
 from deltares.steps import make_stats_step
 from deltares.train import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "deltares-test-jax-cache"))
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-ENV = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-    JAX_COMPILATION_CACHE_DIR=CACHE,
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-)
+from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
 MODES = ("delta_block", "full_attnres", "baseline")
 STEPS, BATCH, EVAL_BATCHES = 30, 4, 2  # the debug recipe
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

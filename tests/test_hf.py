@@ -175,6 +175,15 @@ def _copy(src, dst):
     return str(dst)
 
 
+def _edit_config(path, **changes):
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(file, "w") as f:
+        json.dump(config, f)
+
+
 def _rewrite(path, edit):
     """Rewrites model.safetensors of `path` with `edit(dict of arrays)`."""
     file = os.path.join(path, "model.safetensors")
@@ -193,9 +202,7 @@ def test_bad_checkpoints_name_the_file_or_tensor(tmp_path):
         hf.from_hf(str(empty))
 
     llama = _copy(TINY, tmp_path / "llama")
-    config = json.loads(open(os.path.join(llama, "config.json")).read())
-    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
-    json.dump(config, open(os.path.join(llama, "config.json"), "w"))
+    _edit_config(llama, model_type="llama", architectures=["LlamaForCausalLM"])
     with pytest.raises(hf.HFError, match="LlamaForCausalLM.*only Qwen3"):
         hf.from_hf(llama)
 
@@ -220,9 +227,7 @@ def test_bad_checkpoints_name_the_file_or_tensor(tmp_path):
         hf.from_hf(shape)
 
     vocab = _copy(TINY, tmp_path / "vocab")
-    config = json.loads(open(os.path.join(vocab, "config.json")).read())
-    config["vocab_size"] = 300  # the tokenizer has 320 tokens
-    json.dump(config, open(os.path.join(vocab, "config.json"), "w"))
+    _edit_config(vocab, vocab_size=300)  # the tokenizer has 320 tokens
     with pytest.raises(hf.HFError, match="tokenizer.json has 320 tokens"):
         hf.from_hf(vocab)
 

@@ -19,7 +19,6 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -30,20 +29,7 @@ from deltares.checkpoint import load_checkpoint
 from deltares.data.prepare import DataError, prepare
 from deltares.train import TrainError, train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "deltares-test-jax-cache"))
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-ENV = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-    JAX_COMPILATION_CACHE_DIR=CACHE,
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-)
+from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
 STEPS, SEQ, BATCH = 30, 32, 4
 REQUIRED_KEYS = {"step", "loss", "loss_mean", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "tokens_seen"}
 EVAL_KEYS = {"val_loss", "val_ppl", "val_bpb"}

@@ -350,7 +350,10 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path: str) -> None:
             color = train_ax.plot(*zip(*train), label=name, linewidth=1)[0].get_color()
         if val:
             val_ax.plot(*zip(*val), marker="o", markersize=3, label=name, color=color)
+    from matplotlib.ticker import EngFormatter  # noqa: PLC0415 - with pyplot, only when plotting
+
     for ax, title in ((train_ax, "training loss"), (val_ax, "validation loss")):
+        ax.xaxis.set_major_formatter(EngFormatter())  # 200k, 1M rather than 1000000
         ax.set_xlabel("tokens seen")
         ax.set_ylabel("loss (nats per token)")
         ax.set_title(title, fontsize=10)

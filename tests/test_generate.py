@@ -3,7 +3,9 @@
 References: the model's own full forward pass (no cache), and NumPy for sampling filters.
 """
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -126,6 +128,16 @@ def test_generate_cli(run_dir, tmp_path):
     empty.mkdir()
     proc = run_module("deltares.generate", "--checkpoint", str(empty), "--prompt", "x")
     assert proc.returncode != 0 and "no checkpoint in" in proc.stderr and "Traceback" not in proc.stderr
+
+    other = tmp_path / "other_config"  # parameters of one model, the saved config of another
+    shutil.copytree(run_dir, other)
+    meta = other / "checkpoints" / "0" / "config" / "metadata"
+    config = json.loads(meta.read_text())
+    config["model"]["d_ff"] = 128
+    meta.write_text(json.dumps(config))
+    proc = run_module("deltares.generate", "--checkpoint", str(other), "--prompt", "x")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "does not match its saved config" in proc.stderr and "down_proj" in proc.stderr
 
 
 def test_harness_scores_like_the_model(run_dir):

@@ -131,6 +131,7 @@ def table(results: dict[str, ModeResult], tokens_per_step: int, peak_flops: floa
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
     cfg = _CONFIG.value
     if cfg is None:
         sys.exit("error: --config is required, e.g. --config experiments/tiny.py")
@@ -163,7 +164,7 @@ def main(argv):
 
 
 if __name__ == "__main__":  # flags only for the command line, so modules import side by side
-    from absl import app, flags
+    from absl import app, flags, logging
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py.")

@@ -117,6 +117,9 @@ def test_generate_cli(run_dir, tmp_path):
                       "--max_new_tokens", "8", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Call me Ishmael.") and len(proc.stdout.strip()) > len("Call me Ishmael.")
+    proc = run_module("deltares.generate", "--checkpoint", TINY_HF, "--prompt", "Call me", "--max_new_tokens", "4",
+                      "--temperature", "0")  # a Hugging Face directory directly
+    assert proc.returncode == 0 and proc.stdout.startswith("Call me"), proc.stderr
 
     for args, message in [
         (["--prompt", "  "], "error: the prompt is empty"),

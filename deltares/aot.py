@@ -55,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+from deltares.memory import compiled_bytes  # noqa: E402
 
 GIB = 2**30
 
@@ -345,15 +346,10 @@ def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: s
         )
         return report
     report["compile_seconds"] = round(time.perf_counter() - start, 1)
-    mem = compiled.memory_analysis()
-    parts = dict(
-        argument_bytes=int(mem.argument_size_in_bytes),
-        output_bytes=int(mem.output_size_in_bytes),
-        alias_bytes=int(mem.alias_size_in_bytes),
-        temp_bytes=int(mem.temp_size_in_bytes),
-        code_bytes=int(mem.generated_code_size_in_bytes),
-    )
-    total = sum(parts.values()) - 2 * parts["alias_bytes"]  # aliased bytes are counted once, in the arguments
+    mem = compiled_bytes(compiled)
+    parts = dict(argument_bytes=mem["arguments"], output_bytes=mem["outputs"], alias_bytes=mem["aliased"],
+                 temp_bytes=mem["temporaries"], code_bytes=mem["code"])
+    total = mem["total"] + mem["code"]  # aliased bytes are counted once, in the arguments
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_flops = float((cost or {}).get("flops", math.nan))

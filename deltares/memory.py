@@ -26,7 +26,8 @@ def device_peak_bytes() -> int | None:
 
 
 def compiled_bytes(compiled) -> dict | None:
-    """{arguments, outputs, temporaries, aliased, total} bytes of a compiled executable, or None."""
+    """{arguments, outputs, temporaries, aliased, code, total} bytes of a compiled executable, or None;
+    total = arguments + outputs + temporaries - aliased (outputs written into donated arguments)."""
     m = compiled.memory_analysis()
     if m is None:
         return None
@@ -35,6 +36,7 @@ def compiled_bytes(compiled) -> dict | None:
         outputs=int(m.output_size_in_bytes),
         temporaries=int(m.temp_size_in_bytes),
         aliased=int(m.alias_size_in_bytes),
+        code=int(m.generated_code_size_in_bytes),
     )
     out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
     return out

@@ -53,28 +53,32 @@ class Transformer(nn.Module):
             layer = nn.remat(layer, prevent_cse=not self.config.scan_layers, policy=REMAT_POLICIES[self.config.remat])
         return layer
 
-    def _decode_layers(self, state, cos_TH, sin_TH, cache, pos):
-        """The layers on a decoding step: plain (no remat), threading each layer's attention cache."""
+    def _layers(self, layer_cls, state, cos_TH, sin_TH, return_stats, cache=None, pos=None):
+        """The L layers, scanned or unrolled, threading each layer's attention cache when decoding.
+        Returns (state, stacked stats or None, new cache or None)."""
         cfg = self.config
         if cfg.scan_layers:
             scanned = nn.scan(
-                DecoderLayer,
+                layer_cls,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, 0, nn.broadcast),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            state, (_, cache) = scanned(cfg, False, name="layers")(state, jnp.arange(cfg.n_layers), cos_TH, sin_TH, cache, pos)
-            return state, cache
-        per_layer = []
-        for layer in range(cfg.n_layers):
-            layer_cache = jax.tree.map(lambda c: c[layer], cache)
-            state, (_, layer_cache) = DecoderLayer(cfg, False, name=f"layers_{layer}")(
-                state, layer, cos_TH, sin_TH, layer_cache, pos
-            )
-            per_layer.append(layer_cache)
-        return state, jax.tree.map(lambda *cs: jnp.stack(cs), *per_layer)
+            layers = jnp.arange(cfg.n_layers)
+            state, out = scanned(cfg, return_stats, name="layers")(state, layers, cos_TH, sin_TH, cache, pos)
+        else:
+            per_layer = []
+            for layer in range(cfg.n_layers):
+                layer_cache = None if cache is None else jax.tree.map(lambda c: c[layer], cache)
+                state, out_l = layer_cls(cfg, return_stats, name=f"layers_{layer}")(
+                    state, layer, cos_TH, sin_TH, layer_cache, pos
+                )
+                per_layer.append(out_l)
+            out = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+        stats, cache = out if cache is not None else (out, None)
+        return state, stats, cache
 
     @nn.compact
     def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0):
@@ -99,9 +103,8 @@ class Transformer(nn.Module):
         e_BTD = nn.with_logical_constraint(embed(tokens_BT), ("batch", "length", "embed"))
         cos_TH, sin_TH = rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps)
-        layer_cls = self._layer_class()
-        if cache is not None:
-            state, cache = self._decode_layers(state, cos_TH, sin_TH, cache, pos)
+        if cache is not None:  # decoding: nothing is differentiated, no remat
+            state, _, cache = self._layers(DecoderLayer, state, cos_TH, sin_TH, False, cache, pos)
         elif cfg.scan_layers and self._store_once(plan):
             layer = DecoderLayer(cfg, return_stats, parent=None)
 
@@ -110,22 +113,8 @@ class Transformer(nn.Module):
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
             state, stats = depth_scan(layer_fn, params_L, state, plan)
-        elif cfg.scan_layers:
-            scanned = nn.scan(
-                layer_cls,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast),
-                length=cfg.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            state, stats = scanned(cfg, return_stats, name="layers")(state, jnp.arange(cfg.n_layers), cos_TH, sin_TH)
         else:
-            per_layer = []
-            for layer in range(cfg.n_layers):
-                state, layer_stats = layer_cls(cfg, return_stats, name=f"layers_{layer}")(state, layer, cos_TH, sin_TH)
-                per_layer.append(layer_stats)
-            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if return_stats else None
+            state, stats, _ = self._layers(self._layer_class(), state, cos_TH, sin_TH, return_stats)
 
         if plan.replaces_stream:
             res = cfg.residual

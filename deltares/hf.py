@@ -376,7 +376,8 @@ def load_params(path: str, cfg) -> dict:
     initial values. Every name and shape is checked before any tensor is read."""
     files, table, wanted = check_checkpoint(path, cfg)
     dtype = np.dtype(dtype_of(cfg.param_dtype))
-    routing = _fresh_routing(cfg) if len(wanted) < len(table) else None
+    created = any(name not in wanted for _, name, *_ in table)  # routing parameters of a baseline checkpoint
+    routing = _fresh_routing(cfg) if created else None
     params: dict = {}
     for p, name, layout, shape, layer in table:
         if name in wanted:

@@ -71,6 +71,6 @@ def load_model(path: str) -> LoadedModel:
 
 def _for_inference(model_cfg):
     """No rematerialisation: nothing is differentiated."""
-    cfg = ml_collections.ConfigDict(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg))
+    cfg = model_cfg.copy_and_resolve_references()
     cfg.remat = "none"
     return cfg

@@ -25,6 +25,10 @@ from deltares.layers import MLP, Attention, DepthRouter, RMSNorm
 from deltares.residual import ResidualPlan, plan_for
 
 
+STREAM_AXES = ("batch", "length", "act_embed")  # logical names of the stream and of each source
+SOURCES_AXES = ("sources",) + STREAM_AXES
+
+
 class DepthState(NamedTuple):
     h_BTD: jax.Array  # additive stream e + sum of deltas so far
     sources_SBTD: jax.Array | None  # source buffer (None in baseline)
@@ -36,6 +40,7 @@ def init_depth_state(e_BTD, plan: ResidualPlan, eps: float) -> DepthState:
     if not plan.uses_sources:
         return DepthState(e_BTD, None, None)
     sources = jnp.zeros((plan.n_slots,) + e_BTD.shape, e_BTD.dtype).at[0].set(e_BTD)
+    sources = nn.with_logical_constraint(sources, SOURCES_AXES)
     inv = jnp.zeros((plan.n_slots,) + e_BTD.shape[:2], jnp.float32).at[0].set(routing.inv_rms(e_BTD, eps))
     return DepthState(e_BTD, sources, inv)
 
@@ -83,12 +88,12 @@ class DecoderLayer(nn.Module):
         else:
             x_BTD, stats = state.h_BTD, (empty_stats(plan.n_slots) if self.return_stats else None)
         v_BTD = body(norm(x_BTD)).astype(state.h_BTD.dtype)
-        h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, ("batch", "length", "embed"))
+        h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, STREAM_AXES)
         if not plan.uses_sources:
             return DepthState(h_BTD, None, None), stats
         slot = jnp.asarray(plan.write)[j]
         slot_BTD = state.sources_SBTD[slot] + v_BTD
-        sources = state.sources_SBTD.at[slot].set(slot_BTD)
+        sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
         inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, cfg.norm_eps))
         return DepthState(h_BTD, sources, inv), stats
 

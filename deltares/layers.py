@@ -6,6 +6,7 @@ maps them onto mesh axes through one rules table; here they are only labels.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -161,9 +162,7 @@ class DepthRouter(nn.Module):
             gate = self.param("gate", _param_init(nn.initializers.zeros, ("norm",)), (1,), jnp.float32)
         inner_residual = residual_BTD if gate is None else None
         if self.impl == "xla":
-            route_BTD, weights_SBT = routing.route_normalized(
-                sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null
-            )
+            route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null)
         else:
             route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual,
                                                   self.impl, self.interpret), None
@@ -173,9 +172,49 @@ class DepthRouter(nn.Module):
         return out_BTD.astype(sources_SBTD.dtype), weights_SBT
 
 
+def _batch_axes(mesh, batch: int):
+    """The mesh axes the batch is split over (None: whole), as the logical rules place it."""
+    axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
+    return axes if axes and batch % math.prod(mesh.shape[a] for a in axes) == 0 else None
+
+
+def _model_axis(mesh, d_model: int):
+    """The mesh axis the activations' model dimension is split over, if any."""
+    return "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 and d_model % mesh.shape["tensor"] == 0 else None
+
+
+def xla_route(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None):
+    """`routing.route_normalized`; under a mesh that splits the model dimension over `tensor`, it
+    runs inside `jax.shard_map` on each device's slice of D: partial logits, `psum` over `tensor`,
+    then local softmax and weighted sum, so the source buffer is never gathered."""
+    mesh = jax.sharding.get_abstract_mesh()
+    model_axis = None if mesh.empty else _model_axis(mesh, sources_SBTD.shape[-1])
+    if model_axis is None:
+        return routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD, null_D)
+    batch = _batch_axes(mesh, sources_SBTD.shape[1])
+    P = jax.sharding.PartitionSpec
+    src, sbt, btd, d = P(None, batch, None, model_axis), P(None, batch, None), P(batch, None, model_axis), P(model_axis)
+    valid = jnp.asarray(valid, bool)
+    valid_spec = P()
+    if valid.ndim > 1:  # per-token validity: split like the logits
+        valid, valid_spec = jnp.broadcast_to(valid.reshape(valid.shape + (1,) * (3 - valid.ndim)), inv_rms_SBT.shape), sbt
+    args, specs = [sources_SBTD, inv_rms_SBT, valid, query_D, gain_D], [src, sbt, valid_spec, d, d]
+    optional = {"residual_BTD": (residual_BTD, btd), "null_D": (null_D, d)}
+    names = [name for name, (value, _) in optional.items() if value is not None]
+    args += [optional[name][0] for name in names]
+    specs += [optional[name][1] for name in names]
+
+    def route(sources, inv, valid, query, gain, *rest):
+        return routing.route_normalized(sources, inv, valid, query, gain, model_axis=model_axis,
+                                        **dict(zip(names, rest)))
+
+    return jax.shard_map(route, mesh=mesh, in_specs=tuple(specs), out_specs=(btd, sbt))(*args)
+
+
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool):
     """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of
-    several devices it runs inside `jax.shard_map`, tokens split over the batch axes, D whole."""
+    several devices it runs inside `jax.shard_map`, tokens split over the batch axes, D whole
+    (the kernel normalises each source itself, so a D split over `tensor` is gathered)."""
     from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
 
     def route(sources, valid, query, gain, residual):
@@ -185,7 +224,7 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
-    batch = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1) or None
+    batch = _batch_axes(mesh, sources_SBTD.shape[1])
     P = jax.sharding.PartitionSpec
     src, btd = P(None, batch, None, None), P(batch, None, None)
     if residual_BTD is None:

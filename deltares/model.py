@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from deltares.config import dtype_of, validate_model_config
-from deltares.decoder import DecoderLayer, init_depth_state
+from deltares.decoder import STREAM_AXES, DecoderLayer, init_depth_state
 from deltares.depth import depth_scan
 from deltares.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
 from deltares.residual import plan_for
@@ -100,7 +100,7 @@ class Transformer(nn.Module):
             param_dtype=param_dtype,
             name="embed",
         )
-        e_BTD = nn.with_logical_constraint(embed(tokens_BT), ("batch", "length", "embed"))
+        e_BTD = nn.with_logical_constraint(embed(tokens_BT), STREAM_AXES)
         cos_TH, sin_TH = rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps)
         if cache is not None:  # decoding: nothing is differentiated, no remat

@@ -16,20 +16,31 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def inv_rms(x_BTD: Array, eps: float = 1e-6) -> Array:
+NORM_EPS = 1e-6
+
+
+def inv_rms(x_BTD: Array, eps: float = NORM_EPS) -> Array:
     """1 / sqrt(mean(x^2) + eps) over the last axis, in float32."""
     x32 = x_BTD.astype(jnp.float32)
     return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
 
 
-def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None):
+def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None,
+                     model_axis=None):
     """Routing given per-source 1/rms. Returns (out_BTD, weights_SBT).
 
     `null_D` adds one learned source shared by every token (the paper's null source for
-    fine-tuning); its weight is 1 - sum(weights_SBT)."""
+    fine-tuning); its weight is 1 - sum(weights_SBT).
+    With `model_axis` (inside `jax.shard_map`) every D-sized argument is this device's
+    slice of a model dimension split over that mesh axis: the partial logits are summed
+    with `psum`, and softmax and weighted sum run locally on the slice."""
     S, B, T, _ = sources_SBTD.shape
+
+    def sum_over_d(partial):
+        return partial if model_axis is None else jax.lax.psum(partial, model_axis)
+
     qg_D = query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
-    logits_SBT = jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(jnp.float32), qg_D) * inv_rms_SBT
+    logits_SBT = sum_over_d(jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(jnp.float32), qg_D)) * inv_rms_SBT
     valid_SBT = jnp.broadcast_to(jnp.asarray(valid, bool).reshape(_mask_shape(valid, S)), (S, B, T))
     logits_SBT = jnp.where(valid_SBT, logits_SBT, -jnp.inf)
     if null_D is None:
@@ -37,7 +48,8 @@ def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual
         out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
     else:
         null_D = null_D.astype(jnp.float32)
-        null_logit = jnp.dot(null_D, qg_D) * inv_rms(null_D)
+        null_inv_rms = jax.lax.rsqrt(sum_over_d(jnp.sum(null_D * null_D)) / sum_over_d(null_D.shape[0]) + NORM_EPS)
+        null_logit = sum_over_d(jnp.dot(null_D, qg_D)) * null_inv_rms
         all_logits = jnp.concatenate([logits_SBT, jnp.broadcast_to(null_logit, (1, B, T))], axis=0)
         all_weights = jax.nn.softmax(all_logits, axis=0)
         weights_SBT, null_weight_BT = all_weights[:S], all_weights[S]
@@ -55,7 +67,7 @@ def _mask_shape(valid, S: int):
     return shape + (1,) * (3 - len(shape))
 
 
-def depth_route(sources, valid, query, gain, residual=None, *, eps=1e-6, return_weights=False):
+def depth_route(sources, valid, query, gain, residual=None, *, eps=NORM_EPS, return_weights=False):
     """Route over `sources` [S, B, T, D] with pseudo-query `query` and key-norm gain `gain` [D].
 
     `valid` is [S] bool or broadcastable to [S, B, T]; at least one source must be

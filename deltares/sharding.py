@@ -4,7 +4,10 @@ optimizer state, activations and the depth-source buffers.
 Mesh axes are `data, fsdp, tensor` (`config.mesh`, sizes may be -1: fill). The
 batch splits over `data` and `fsdp`; weights split over `fsdp` along their model
 dimension (FSDP: gathered per layer by XLA) and over `tensor` along heads, MLP
-width and vocabulary (Megatron-style). A logical name whose mesh axis is already
+width and vocabulary (Megatron-style). Activations between sublayers (the stream
+and the depth-source buffer, `act_embed`) split their model dimension over
+`tensor`, so the buffer costs 1/tensor per device; depth routing then runs under
+`jax.shard_map` (deltares.layers.xla_route). A logical name whose mesh axis is already
 taken in the same array falls back to replicated, so one table serves
 parameters (`embed` -> fsdp) and activations (`batch` takes fsdp first).
 """
@@ -29,6 +32,7 @@ LOGICAL_RULES = (
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
+    ("act_embed", "tensor"),
     ("heads", "tensor"),
     ("kv", "tensor"),
     ("mlp", "tensor"),

@@ -1,8 +1,10 @@
 """Run by tests/test_sharding.py in a subprocess with 8 simulated CPU devices.
 
 Prints one JSON object: for every residual mode and mesh, the losses and updated
-parameters of 3 sharded train steps next to the single-device ones; a checkpoint
-saved on one mesh and restored on another; the sharded-bytes fraction.
+parameters of 3 sharded train steps next to the single-device ones, and how many
+tensor-split routings (shard_map + psum over `tensor`) the step holds; depth routing
+with D split over `tensor` against the unsplit routing; a checkpoint saved on one
+mesh and restored on another; the sharded-bytes fraction.
 """
 
 import importlib.util
@@ -12,7 +14,9 @@ import sys
 import tempfile
 import warnings
 
+import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -20,9 +24,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from deltares import routing  # noqa: E402
 from deltares.checkpoint import Checkpointer  # noqa: E402
+from deltares.layers import xla_route  # noqa: E402
 from deltares.config import MODES  # noqa: E402
-from deltares.sharding import make_mesh, shard_batch, sharded_fraction, sharded_train_step  # noqa: E402
+from deltares.sharding import LOGICAL_RULES, make_mesh, shard_batch, sharded_fraction, sharded_train_step  # noqa: E402
 from deltares.steps import build, make_init, make_train_step  # noqa: E402
 
 MESHES = {"data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2), "fsdp8": dict(data=1, fsdp=8, tensor=1)}
@@ -66,6 +72,70 @@ def sharded(cfg, mesh_cfg, state=None, data=None):
     return losses, state, training
 
 
+def tensor_psum_routings(training, state, batch) -> int:
+    """How many psums over `tensor` (`psum_invariant` in newer jax) sit inside the `shard_map`s of
+    the train step's jaxpr: one per tensor-split routing in the forward pass."""
+    with jax.set_mesh(training.mesh), nn.logical_axis_rules(LOGICAL_RULES):
+        jaxpr = jax.make_jaxpr(training.step.fn)(state, shard_batch(batch, training.batch_sharding))
+
+    def sub_jaxprs(eqn):
+        for value in eqn.params.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, jax.extend.core.ClosedJaxpr):
+                    yield v.jaxpr
+                elif isinstance(v, jax.extend.core.Jaxpr):
+                    yield v
+
+    def walk(jaxpr, inside_shard_map=False):
+        count = 0
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if inside_shard_map and name.startswith("psum") and "tensor" in eqn.params.get("axes", ()):
+                count += 1
+            for sub in sub_jaxprs(eqn):
+                count += walk(sub, inside_shard_map or name == "shard_map")
+        return count
+
+    return walk(jaxpr.jaxpr)
+
+
+def tensor_split_routing():
+    """Depth routing with D split over `tensor` (inside shard_map) on 8 devices, against the
+    unsplit computation: outputs, weights and gradients, with a residual and a null source."""
+    rng = np.random.RandomState(1)
+    S, B, T, D = 5, 4, 3, 16
+    inputs = {
+        "sources": rng.randn(S, B, T, D).astype(np.float32),
+        "valid": np.array([1, 1, 0, 1, 1], bool),
+        "query": rng.randn(D).astype(np.float32) * 0.5,
+        "gain": (1 + 0.1 * rng.randn(D)).astype(np.float32),
+        "residual": rng.randn(B, T, D).astype(np.float32),
+        "null": rng.randn(D).astype(np.float32) * 0.3,
+    }
+
+    def loss(route, sources, query, gain, residual, null):
+        out, weights = route(sources, routing.inv_rms(sources), inputs["valid"], query, gain, residual, null)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(weights**2), (out, weights)
+
+    args = [jnp.asarray(inputs[k]) for k in ("sources", "query", "gain", "residual", "null")]
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5), has_aux=True)
+    (_, (ref_out, ref_weights)), ref_grads = jax.jit(grad, static_argnums=0)(routing.route_normalized, *args)
+    out = {"inputs": {k: np.asarray(v).tolist() for k, v in inputs.items()}}
+    for name, mesh_cfg in {"tensor4_data2": dict(data=2, fsdp=1, tensor=4), **MESHES}.items():
+        mesh = make_mesh(ml_collections.ConfigDict(mesh_cfg))
+        with jax.set_mesh(mesh):
+            (_, (got_out, got_weights)), got_grads = jax.jit(grad, static_argnums=0)(xla_route, *args)
+            text = str(jax.make_jaxpr(lambda *a: xla_route(a[0], routing.inv_rms(a[0]), inputs["valid"], *a[1:]))(*args))
+        out[name] = {
+            "out": np.asarray(got_out).tolist(),
+            "weights": np.asarray(got_weights).tolist(),
+            "max_out_diff": float(jnp.max(jnp.abs(got_out - ref_out))),
+            "max_grad_diff": max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got_grads, ref_grads)),
+            "shard_map": "shard_map" in text and "psum" in text,
+        }
+    return out
+
+
 def max_param_diff(a, b):
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])))
 
@@ -79,13 +149,17 @@ def main():
         out["modes"][mode] = {"single": ref_losses}
         for name, mesh_cfg in MESHES.items():
             losses, state, training = sharded(cfg, mesh_cfg)
+            fresh = training.init(cfg.seed)
             out["modes"][mode][name] = {
+                "tensor_psum_routings": tensor_psum_routings(training, fresh, batches(cfg)[0]),
                 "losses": losses,
                 "max_param_diff": max_param_diff(state, ref_state),
                 "param_change": max_param_diff(state, jax.device_get(training.init(cfg.seed))),
                 "sharded_fraction": sharded_fraction(training.abstract_state, training.state_shardings),
                 "embedding_spec": str(state["params"]["embed"]["embedding"].sharding.spec),
             }
+
+    out["tensor_split_routing"] = tensor_split_routing()
 
     # A checkpoint saved on one mesh restores on another, and training continues identically.
     cfg = debug_config("delta_block")

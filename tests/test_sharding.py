@@ -40,6 +40,37 @@ def test_sharded_step_equals_single_device(results, mode, mesh):
     assert sharded["embedding_spec"] == "P('tensor', 'fsdp')"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_routing_splits_the_model_dimension_over_tensor(results, mode):
+    """With tensor > 1 every routed sublayer (2 per layer, plus the Kimi modes' output routing)
+    sums partial logits with psum over `tensor` inside shard_map, in the forward and backward
+    pass; without a tensor axis, and in baseline, none does."""
+    counts = {mesh: results["modes"][mode][mesh]["tensor_psum_routings"] for mesh in ("data2_fsdp2_tensor2", "fsdp8")}
+    assert counts["fsdp8"] == 0
+    if mode == "baseline":
+        assert counts["data2_fsdp2_tensor2"] == 0
+    else:
+        assert counts["data2_fsdp2_tensor2"] >= 4, counts  # debug has 2 layers: 4 routed sublayers at least
+
+
+@pytest.mark.parametrize("mesh", ["tensor4_data2", "data2_fsdp2_tensor2", "fsdp8"])
+def test_tensor_split_routing_matches_reference(results, mesh):
+    """Routing with D split over `tensor` equals the float64 NumPy reference (the null source
+    as one more valid source), and its gradients equal those of the unsplit routing."""
+    from test_routing import ref_route  # noqa: PLC0415 - the shared float64 reference
+
+    split = results["tensor_split_routing"]
+    inp = {k: np.asarray(v) for k, v in split["inputs"].items()}
+    S, B, T, D = inp["sources"].shape
+    sources = np.concatenate([inp["sources"], np.broadcast_to(inp["null"], (1, B, T, D))])
+    ref_out, ref_weights = ref_route(sources, np.append(inp["valid"], True), inp["query"], inp["gain"], inp["residual"])
+    got = split[mesh]
+    np.testing.assert_allclose(got["out"], ref_out, atol=2e-5)
+    np.testing.assert_allclose(got["weights"], ref_weights[:S], atol=2e-6)
+    assert got["max_grad_diff"] < 2e-5
+    assert got["shard_map"] == (mesh != "fsdp8")
+
+
 def test_checkpoint_restores_on_another_mesh(results):
     reshard = results["reshard"]
     np.testing.assert_allclose(reshard["resumed"], reshard["uninterrupted"], rtol=1e-6)

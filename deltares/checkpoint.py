@@ -16,10 +16,12 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from deltares import paths
+
 
 class Checkpointer:
     def __init__(self, workdir: str, keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.directory = paths.join(paths.run_dir(workdir), "checkpoints")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last,
             keep_period=keep_every or None,
@@ -44,7 +46,7 @@ class Checkpointer:
 
     def check_params(self, step: int, abstract_params) -> None:
         """Raises ValueError naming the first parameter whose stored shape differs (or is missing)."""
-        path = os.path.join(self.directory, str(step), "state")
+        path = paths.join(self.directory, str(step), "state")
         verbosity = logging.get_verbosity()
         logging.set_verbosity(logging.ERROR)  # orbax warns that the step-level metadata file is elsewhere
         try:
@@ -77,14 +79,14 @@ class Checkpointer:
 
 def find_checkpoint(path: str) -> tuple[str, int]:
     """(checkpoints directory, step) for a workdir, its `checkpoints/` directory, or one step directory."""
-    path = os.path.abspath(path)
-    if os.path.isdir(os.path.join(path, "state")) and os.path.basename(path).isdigit():
-        return os.path.dirname(path), int(os.path.basename(path))
-    directory = path if os.path.basename(path) == "checkpoints" else os.path.join(path, "checkpoints")
-    steps = ocp.utils.checkpoint_steps(epath.Path(directory)) if os.path.isdir(directory) else []
+    path = epath.Path(paths.run_dir(path))
+    if (path / "state").is_dir() and path.name.isdigit():
+        return os.fspath(path.parent), int(path.name)
+    directory = path if path.name == "checkpoints" else path / "checkpoints"
+    steps = ocp.utils.checkpoint_steps(directory) if directory.is_dir() else []
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {path}")
-    return directory, max(steps)
+    return os.fspath(directory), max(steps)
 
 
 class LoadedCheckpoint(NamedTuple):
@@ -97,10 +99,10 @@ class LoadedCheckpoint(NamedTuple):
 def load_checkpoint(path: str, want_state: bool = True) -> LoadedCheckpoint:
     """The newest checkpoint under `path` (see `find_checkpoint`), arrays on the default device."""
     directory, step = find_checkpoint(path)
-    step_dir = os.path.join(directory, str(step))
-    config = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(step_dir, "config"))
+    step_dir = paths.join(directory, str(step))
+    config = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(paths.join(step_dir, "config"))
     state = None
     if want_state:
-        state = ocp.StandardCheckpointer().restore(os.path.join(step_dir, "state"))
+        state = ocp.StandardCheckpointer().restore(paths.join(step_dir, "state"))
         state = jax.tree.map(jax.numpy.asarray, state)
-    return LoadedCheckpoint(config, state, step, os.path.dirname(directory))
+    return LoadedCheckpoint(config, state, step, os.fspath(epath.Path(directory).parent))

@@ -20,9 +20,12 @@ from absl import app, flags, logging
 
 from deltares.checkpoint import load_checkpoint
 from deltares.data.dataset import TokenData, eval_batches
-from deltares.data.prepare import DataError
+from deltares.data.prepare import BUILTIN, DataError
 from deltares.model import Transformer
+from deltares.paths import builtin_dataset_dir
 from deltares.steps import make_eval_step
+
+FROM_HF = "init_from_hf"  # config.data.tokenizer value: the tokenizer of config.init_from_hf
 
 
 def evaluate(eval_step, params, batches, bytes_per_token: float) -> dict:
@@ -36,10 +39,21 @@ def evaluate(eval_step, params, batches, bytes_per_token: float) -> dict:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_bpb": loss / math.log(2) / bytes_per_token}
 
 
-def run_dataset_path(config: dict, workdir: str) -> str:
-    """The prepared dataset a run trained on (the built-in corpus is prepared into its workdir)."""
+def run_tokenizer(config) -> str:
+    """The tokenizer spec of a run's config, `config.data.tokenizer`, with FROM_HF resolved."""
+    tokenizer = config["data"]["tokenizer"]
+    if tokenizer != FROM_HF:
+        return tokenizer
+    if not config.get("init_from_hf"):
+        raise DataError(f"config.data.tokenizer={FROM_HF!r} needs config.init_from_hf")
+    return f"hf:{config['init_from_hf']}"
+
+
+def run_dataset_path(config, workdir: str) -> str:
+    """The prepared dataset a run trains on; the built-in corpus is prepared into the run
+    directory, or a local cache for a run on a bucket (deltares.paths.builtin_dataset_dir)."""
     path = config["data"]["dataset"]
-    return os.path.join(workdir, "dataset") if path == "builtin" else path
+    return builtin_dataset_dir(workdir, run_tokenizer(config)) if path == BUILTIN else path
 
 
 def text_file_tokens(path: str, tokenizer) -> tuple[np.ndarray, float]:

@@ -16,6 +16,9 @@ import math
 import os
 
 import jax
+from etils import epath
+
+from deltares import paths
 
 # Dense bf16 peak FLOPs per device (chip), by substring of `device_kind`.
 PEAK_FLOPS = {
@@ -56,37 +59,74 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> float:
     return math.nan
 
 
+class _BucketEventFile:
+    """A TensorBoard event file on a bucket, through epath: buffered, rewritten whole at each flush
+    (bucket objects cannot be appended to)."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = epath.Path(path), bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.buffer += data
+
+    def flush(self) -> None:
+        self.path.write_bytes(bytes(self.buffer))
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _BucketEventFiles:
+    """tensorboardX writer factory for bucket URLs, so events reach buckets the way every other
+    file of a run does (gcsfs) instead of through tensorboardX's own GCS client."""
+
+    def open(self, path: str) -> _BucketEventFile:
+        return _BucketEventFile(path)
+
+    def directory_check(self, path: str) -> None:
+        epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` and mirrors
-    scalars to TensorBoard event files in `<workdir>/tensorboard`."""
+    scalars to TensorBoard event files in `<workdir>/tensorboard`. On a bucket, where
+    objects cannot be appended to, the file is rewritten whole at each write."""
 
     def __init__(self, workdir: str, resume_step: int | None = None):
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        if resume_step is not None:
-            self._truncate_after(resume_step)
-        from tensorboardX import SummaryWriter
+        self.path = epath.Path(workdir) / "metrics.jsonl"
+        self.remote = paths.is_remote(workdir)
+        self.lines = self._read(resume_step)
+        if self.path.exists():
+            self.path.write_text("".join(self.lines))
+        from tensorboardX import SummaryWriter, record_writer
 
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        for prefix in paths.BUCKET_PREFIXES:
+            record_writer.register_writer_factory(prefix, _BucketEventFiles())
+        self.tb = SummaryWriter(paths.join(workdir, "tensorboard"))
 
-    def _truncate_after(self, step: int) -> None:
-        """Drops records logged after the checkpoint a run resumes from."""
-        if not os.path.exists(self.path):
-            return
+    def _read(self, after: int | None) -> list[str]:
+        """The records already logged, without those after step `after` (a run resuming from
+        that checkpoint) and without a line cut short by a crash."""
+        if not self.path.exists():
+            return []
         kept = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        kept.append(line)
-                except (ValueError, KeyError):  # a line cut short by a crash
-                    continue
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                if after is None or json.loads(line)["step"] <= after:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError):
+                continue
+        return kept
 
     def write(self, step: int, record: dict) -> None:
         record = {"step": step, **record}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        self.lines.append(line)
+        if self.remote:
+            self.path.write_text("".join(self.lines))
+        else:
+            with self.path.open("a") as f:
+                f.write(line)
         for key, value in record.items():
             if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                 self.tb.add_scalar(key, value, step)

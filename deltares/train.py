@@ -26,17 +26,16 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from deltares import hf
+from deltares import hf, paths
 from deltares.checkpoint import Checkpointer, load_checkpoint
 from deltares.data.dataset import TokenData, eval_batches, train_dataset, train_iterator
 from deltares.data.prepare import BUILTIN, DataError, prepare
-from deltares.eval import evaluate
+from deltares.eval import evaluate, run_dataset_path, run_tokenizer
 from deltares.memory import PeakMemory
 from deltares.metrics import MetricsWriter, model_flops_per_token, peak_flops_per_device
 from deltares.sharding import MeshStep, make_mesh, shard_batch, sharded_train_step
 from deltares.steps import make_eval_step, make_stats_step
 
-FROM_HF = "init_from_hf"  # config.data.tokenizer value: the tokenizer of config.init_from_hf
 
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.
 RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "train.global_batch")
@@ -81,7 +80,7 @@ def check_train_config(cfg) -> None:
 
 
 def open_dataset(cfg, workdir: str) -> TokenData:
-    """The prepared dataset of the config; the built-in corpus is prepared into the workdir once."""
+    """The prepared dataset of the config; the built-in corpus is prepared once (see run_dataset_path)."""
     path = cfg.data.dataset
     if not path:
         raise TrainError(
@@ -89,12 +88,11 @@ def open_dataset(cfg, workdir: str) -> TokenData:
             "and pass --config.data.dataset=DIR (or 'builtin' for the shipped Moby-Dick)"
         )
     if path == BUILTIN:
-        path = os.path.join(workdir, "dataset")
-        tokenizer = cfg.data.tokenizer
-        if tokenizer == FROM_HF:
-            if not cfg.init_from_hf:
-                raise TrainError(f"config.data.tokenizer={FROM_HF!r} needs config.init_from_hf")
-            tokenizer = f"hf:{cfg.init_from_hf}"
+        try:
+            tokenizer = run_tokenizer(cfg)
+        except DataError as err:
+            raise TrainError(str(err)) from None
+        path = run_dataset_path(cfg, workdir)
         if not os.path.exists(os.path.join(path, "meta.json")):
             say(f"preparing the built-in corpus with tokenizer {tokenizer} into {path}")
             prepare(BUILTIN, tokenizer, path, val_fraction=0.05, progress=False)
@@ -179,13 +177,13 @@ class StopRequest:
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training; returns the final metrics."""
     check_train_config(cfg)
-    workdir = os.path.abspath(workdir)
+    workdir = paths.run_dir(workdir)
     if cfg.get("init_from_hf"):  # a bad checkpoint fails before anything is written
         try:
             hf.check_checkpoint(cfg.init_from_hf, cfg.model)
         except hf.HFError as err:
             raise TrainError(f"config.init_from_hf: {err}") from None
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     data = open_dataset(cfg, workdir)
     t = cfg.train
     ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)

@@ -90,9 +90,13 @@ class _BucketEventFiles:
 class MetricsWriter:
     """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` and mirrors
     scalars to TensorBoard event files in `<workdir>/tensorboard`. On a bucket, where
-    objects cannot be appended to, the file is rewritten whole at each write."""
+    objects cannot be appended to, the file is rewritten whole at each write. In a job of
+    several processes only process 0 writes."""
 
     def __init__(self, workdir: str, resume_step: int | None = None):
+        self.active = jax.process_index() == 0
+        if not self.active:
+            return
         self.path = epath.Path(workdir) / "metrics.jsonl"
         self.remote = paths.is_remote(workdir)
         self.lines = self._read(resume_step)
@@ -119,6 +123,8 @@ class MetricsWriter:
         return kept
 
     def write(self, step: int, record: dict) -> None:
+        if not self.active:
+            return
         record = {"step": step, **record}
         line = json.dumps(record) + "\n"
         self.lines.append(line)
@@ -136,4 +142,5 @@ class MetricsWriter:
         self.tb.flush()
 
     def close(self) -> None:
-        self.tb.close()
+        if self.active:
+            self.tb.close()

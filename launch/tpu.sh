@@ -4,7 +4,7 @@
 # command on all workers. See launch/README.md.
 #
 #   launch/tpu.sh --name NAME --zone ZONE --type v5p-8 \
-#       --config experiments/s7b6.py:delta_block --workdir /mnt/shared/run [-- --config.key=value ...]
+#       --config experiments/s7b6.py:delta_block --workdir gs://BUCKET/run [-- --config.key=value ...]
 set -euo pipefail
 
 src=${BASH_SOURCE[0]}
@@ -27,7 +27,7 @@ Usage: launch/tpu.sh [options] [-- train overrides...]
   --zone ZONE        e.g. us-east5-a                   (env DELTARES_TPU_ZONE)     required
   --type TYPE        accelerator type, e.g. v5p-8      (env DELTARES_TPU_TYPE)     required
   --config FILE:MODE e.g. experiments/s7b6.py:delta_block (env DELTARES_CONFIG)    required
-  --workdir DIR      a path on the workers, shared for pods (env DELTARES_WORKDIR) required
+  --workdir DIR      gs://BUCKET/PATH, or a path on the workers  (env DELTARES_WORKDIR) required
   --version RUNTIME  TPU software version; default from --type (env DELTARES_TPU_VERSION)
   --project PROJECT  gcloud project (env DELTARES_TPU_PROJECT; default: gcloud's)
   --python PY        Python >= 3.11 on the workers (env DELTARES_TPU_PYTHON; default python3.11)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from deltares import routing
-from deltares.config import dtype_of
+from deltares.config import BLOCK_MODES, dtype_of
 from deltares.layers import MLP, Attention, DepthRouter, RMSNorm
 from deltares.residual import ResidualPlan, plan_for
 
@@ -92,7 +92,9 @@ class DecoderLayer(nn.Module):
         if not plan.uses_sources:
             return DepthState(h_BTD, None, None), stats
         slot = jnp.asarray(plan.write)[j]
-        slot_BTD = state.sources_SBTD[slot] + v_BTD
+        # Block modes accumulate the block's partial; other modes write a fresh slot once
+        # (overwriting, which lets the store-once backward recompute from the final buffer).
+        slot_BTD = state.sources_SBTD[slot] + v_BTD if plan.mode in BLOCK_MODES else v_BTD
         sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
         inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, cfg.norm_eps))
         return DepthState(h_BTD, sources, inv), stats

@@ -28,8 +28,14 @@ from deltares.residual import ResidualPlan
 def _input_state(final: DepthState, saved, layer, plan: ResidualPlan) -> DepthState:
     """Layer `layer`'s input state: slots before its first write slot come from the final
     buffer, later slots are zero as they were, and in block modes its write slot (the
-    running partial) comes from `saved`."""
+    running partial) comes from `saved`.
+
+    Per-sublayer modes take the final buffer as it is, without a masked copy: a sublayer
+    reads only slots before its own write slot (the rest are masked out of its softmax, so
+    they get neither weight nor gradient) and overwrites its write slot with its delta."""
     h_BTD, partial = saved
+    if plan.mode not in BLOCK_MODES:
+        return DepthState(h_BTD, final.sources_SBTD, final.inv_rms_SBT)
     first = jnp.asarray(plan.write)[2 * layer]
     slots = jnp.arange(plan.n_slots)
     before = slots < first

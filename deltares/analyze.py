@@ -46,6 +46,7 @@ from deltares.data.prepare import DataError
 from deltares.eval import run_dataset_path, text_file_tokens
 from deltares.inference import check_params
 from deltares.layers import DepthRouter
+from deltares.metrics import read_metrics
 from deltares.model import Transformer
 from deltares.residual import plan_for
 
@@ -253,21 +254,6 @@ def analyze_run(run: Run, batches: list[np.ndarray]) -> dict:
 
 
 # ----------------------------------------------------------------------------- metrics and figures
-
-
-def read_metrics(workdir: str) -> list[dict]:
-    """The records of `<workdir>/metrics.jsonl` (lines cut short by a crash are skipped); [] if absent."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
 
 
 def _pyplot():

@@ -18,7 +18,8 @@ import os
 import statistics
 import sys
 
-from deltares.analyze import AnalysisError, read_metrics
+from deltares.analyze import AnalysisError
+from deltares.metrics import read_metrics
 from deltares.checkpoint import load_checkpoint
 
 # The paper's column order and names (PAPER_RESULTS.md, first table).

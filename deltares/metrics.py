@@ -59,6 +59,22 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> float:
     return math.nan
 
 
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of `<workdir>/metrics.jsonl` (lines cut short by a crash are skipped); [] if absent."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
 class _BucketEventFile:
     """A TensorBoard event file on a bucket, through epath: buffered, rewritten whole at each flush
     (bucket objects cannot be appended to)."""
@@ -99,7 +115,8 @@ class MetricsWriter:
             return
         self.path = epath.Path(workdir) / "metrics.jsonl"
         self.remote = paths.is_remote(workdir)
-        self.lines = self._read(resume_step)
+        # A run resuming from a checkpoint drops the records logged after it.
+        self.lines = [json.dumps(r) + "\n" for r in read_metrics(workdir) if resume_step is None or r["step"] <= resume_step]
         if self.path.exists():
             self.path.write_text("".join(self.lines))
         from tensorboardX import SummaryWriter, record_writer
@@ -107,20 +124,6 @@ class MetricsWriter:
         for prefix in paths.BUCKET_PREFIXES:
             record_writer.register_writer_factory(prefix, _BucketEventFiles())
         self.tb = SummaryWriter(paths.join(workdir, "tensorboard"))
-
-    def _read(self, after: int | None) -> list[str]:
-        """The records already logged, without those after step `after` (a run resuming from
-        that checkpoint) and without a line cut short by a crash."""
-        if not self.path.exists():
-            return []
-        kept = []
-        for line in self.path.read_text().splitlines(keepends=True):
-            try:
-                if after is None or json.loads(line)["step"] <= after:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (ValueError, KeyError):
-                continue
-        return kept
 
     def write(self, step: int, record: dict) -> None:
         if not self.active:

@@ -3,7 +3,7 @@
 # tree to every worker, install the requirements plus jax[tpu], start the same training
 # command on all workers. See launch/README.md.
 #
-#   launch/tpu.sh --name NAME --zone ZONE --type v5p-8 \
+#   launch/tpu.sh --name NAME --zone ZONE --type v5p-16 \
 #       --config experiments/s7b6.py:delta_block --workdir gs://BUCKET/run [-- --config.key=value ...]
 set -euo pipefail
 

@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
     config: Any
     return_stats: bool = False
 
-    def _sublayer(self, j, state: DepthState, plan: ResidualPlan, router: str, body):
-        """Runs sublayer j on `state`; returns the new state and its routing stats."""
+    def _delta(self, j, state: DepthState, plan: ResidualPlan, router: str, body):
+        """Sublayer j's delta v_j = f_j(norm(x_j)) on `state`, and its routing stats."""
         cfg = self.config
         norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
         if plan.uses_sources:
@@ -87,22 +87,27 @@ class DecoderLayer(nn.Module):
             stats = routing_stats(weights_SBT, routed) if self.return_stats else None
         else:
             x_BTD, stats = state.h_BTD, (empty_stats(plan.n_slots) if self.return_stats else None)
-        v_BTD = body(norm(x_BTD)).astype(state.h_BTD.dtype)
+        return body(norm(x_BTD)).astype(state.h_BTD.dtype), stats
+
+    def _write(self, j, state: DepthState, v_BTD, plan: ResidualPlan) -> DepthState:
+        """h_{j+1} = h_j + v_j, and v_j into sublayer j's write slot."""
         h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, STREAM_AXES)
         if not plan.uses_sources:
-            return DepthState(h_BTD, None, None), stats
+            return DepthState(h_BTD, None, None)
         slot = jnp.asarray(plan.write)[j]
         # Block modes accumulate the block's partial; other modes write a fresh slot once
         # (overwriting, which lets the store-once backward recompute from the final buffer).
         slot_BTD = state.sources_SBTD[slot] + v_BTD if plan.mode in BLOCK_MODES else v_BTD
         sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
-        inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, cfg.norm_eps))
-        return DepthState(h_BTD, sources, inv), stats
+        inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, self.config.norm_eps))
+        return DepthState(h_BTD, sources, inv)
 
     @nn.compact
-    def __call__(self, state: DepthState, layer, cos_TH, sin_TH, cache=None, pos=None):
+    def __call__(self, state: DepthState, layer, cos_TH, sin_TH, cache=None, pos=None, only=None):
         """Returns (state, stats); with an attention `cache` (decoding, see Attention),
-        (state, (stats, new cache))."""
+        (state, (stats, new cache)). With `only` (0: attention, 1: MLP), runs that sublayer
+        alone on `state` and returns its delta and the delta's 1/rms, writing nothing (the
+        store-once backward, deltares.depth)."""
         cfg = self.config
         plan = plan_for(cfg)
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
@@ -117,7 +122,14 @@ class DecoderLayer(nn.Module):
             new_cache.append(updated)
             return out_BTD
 
-        state, attn_stats = self._sublayer(2 * layer, state, plan, "attn", attend)
-        state, mlp_stats = self._sublayer(2 * layer + 1, state, plan, "mlp", mlp)
-        stats = jax.tree.map(lambda a, b: jnp.stack([a, b]), attn_stats, mlp_stats) if self.return_stats else None
+        sublayers = (("attn", attend), ("mlp", mlp))
+        if only is not None:
+            v_BTD, _ = self._delta(2 * layer + only, state, plan, *sublayers[only])
+            return v_BTD, routing.inv_rms(v_BTD, cfg.norm_eps)
+        per_sublayer = []
+        for k, (router, body) in enumerate(sublayers):
+            v_BTD, stats = self._delta(2 * layer + k, state, plan, router, body)
+            state = self._write(2 * layer + k, state, v_BTD, plan)
+            per_sublayer.append(stats)
+        stats = jax.tree.map(lambda a, b: jnp.stack([a, b]), *per_sublayer) if self.return_stats else None
         return (state, stats) if cache is None else (state, (stats, new_cache[0]))

@@ -57,10 +57,16 @@ def _saved(state: DepthState, layer, plan: ResidualPlan):
     return state.h_BTD, (state.sources_SBTD[first], state.inv_rms_SBT[first])
 
 
-def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan):
+def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan,
+               sublayer_fn: Callable | None = None):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
-    `params_L`; returns (final state, stacked stats). Differentiable in params and state."""
+    `params_L`; returns (final state, stacked stats). Differentiable in params and state.
+
+    With `sublayer_fn(params_l, state, l, k) -> (v, 1/rms(v))` (sublayer k of layer l alone,
+    writing nothing), the per-sublayer modes differentiate sublayer by sublayer over the final
+    buffer (`_sublayer_backward`), so the backward pass never copies the buffer."""
     n_layers = plan.n_layers
+    by_sublayer = sublayer_fn is not None and plan.mode not in BLOCK_MODES
 
     def forward(params_L, state):
         def body(state, xs):
@@ -75,6 +81,8 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     def backward(residuals, cotangents):
         params_L, saved, final = residuals
         d_final, d_stats = cotangents
+        if by_sublayer:
+            return _sublayer_backward(sublayer_fn, params_L, saved[0], final, d_final, plan)
 
         def body(d_state, xs):
             params_l, layer, saved_l, d_stats_l = xs
@@ -93,3 +101,44 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
 
     run.defvjp(forward, backward)
     return run(params_L, state)
+
+
+def _sublayer_backward(sublayer_fn, params_L, h_L, final: DepthState, d_final: DepthState, plan: ResidualPlan):
+    """The backward pass of the per-sublayer modes, sublayer by sublayer in reverse.
+
+    Sublayer j reads the final buffer (slots from its own write slot on are masked out of
+    its softmax) and the stream h_j, and produces v_j, which is both slot write[j] and
+    h_{j+1} - h_j. So v_j's cotangent is d h_{j+1} plus what later readers sent to its slot
+    (d_sources[write[j]], and through 1/rms d_inv[write[j]]); its vjp adds to d h_j and to the
+    buffer's cotangent, which the scan carries and updates in place. h_j comes from the saved
+    layer input (attention) or as h_l + final slot of the attention's delta (MLP), which is
+    the value the forward pass computed. Statistics carry no gradient."""
+    write = jnp.asarray(plan.write)
+
+    def body(carry, xs):
+        d_h, d_sources, d_inv = carry
+        params_l, layer, h_l = xs
+        h_mid = h_l + final.sources_SBTD[write[2 * layer]]
+        d_params_l = None
+        for k, h_in in ((1, h_mid), (0, h_l)):
+            slot = write[2 * layer + k]
+
+            def delta(p, h, sources, inv, k=k):
+                return sublayer_fn(p, DepthState(h, sources, inv), layer, k)
+
+            _, vjp = jax.vjp(delta, params_l, h_in, final.sources_SBTD, final.inv_rms_SBT)
+            d_v = (d_h + d_sources[slot]).astype(h_in.dtype)
+            d_p, d_h_in, d_src, d_inv_k = vjp((d_v, d_inv[slot]))
+            d_h, d_sources, d_inv = d_h + d_h_in, d_sources + d_src, d_inv + d_inv_k
+            d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
+        return (d_h, d_sources, d_inv), d_params_l
+
+    carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT)
+    xs = (params_L, jnp.arange(plan.n_layers), h_L)
+    (d_h, d_sources, d_inv), d_params = jax.lax.scan(body, carry, xs, reverse=True)
+    # Every slot but 0 (the embedding) is overwritten by its sublayer: the initial buffer's
+    # values there do not reach the output.
+    first = (jnp.arange(plan.n_slots) == 0)
+    d_sources = jnp.where(first[:, None, None, None], d_sources, 0).astype(d_final.sources_SBTD.dtype)
+    d_inv = jnp.where(first[:, None, None], d_inv, 0)
+    return d_params, DepthState(d_h, d_sources, d_inv)

@@ -10,6 +10,11 @@ and its backward pass walks the layers in reverse, rebuilds each layer's input
 buffer from the final one, recomputes the layer and accumulates cotangents.
 Memory: one final buffer, one cotangent buffer, and O(L x B x T x D) for the
 per-layer saves, the same order as baseline with remat.
+
+The per-sublayer modes (`delta`, `full_attnres`, S = 2L + 1 slots) go further: their
+backward pass differentiates each sublayer alone as (params, h, final buffer) -> delta,
+so a recomputation never writes, and so never copies, the buffer; block modes (a few
+slots) recompute whole layers from the rebuilt input buffer.
 """
 
 from __future__ import annotations

@@ -142,10 +142,12 @@ def max_param_diff(a, b):
 
 def main():
     assert jax.device_count() == 8, jax.devices()
-    out = {"modes": {}}
+    out = {"modes": {}, "remat_full": {}}
+    ref_states = {}
     for mode in MODES:
         cfg = debug_config(mode)
         ref_losses, ref_state = single_device(cfg)
+        ref_states[mode] = ref_state
         out["modes"][mode] = {"single": ref_losses}
         for name, mesh_cfg in MESHES.items():
             losses, state, training = sharded(cfg, mesh_cfg)
@@ -158,6 +160,14 @@ def main():
                 "sharded_fraction": sharded_fraction(training.abstract_state, training.state_shardings),
                 "embedding_spec": str(state["params"]["embed"]["embedding"].sharding.spec),
             }
+
+    # The store-once depth backward (remat=full) under the tensor-split mesh, against the
+    # single-device step without remat.
+    for mode in ("full_attnres", "delta", "delta_block"):
+        cfg = debug_config(mode)
+        cfg.model.remat = "full"
+        losses, state, _ = sharded(cfg, MESHES["data2_fsdp2_tensor2"])
+        out["remat_full"][mode] = {"losses": losses, "max_param_diff": max_param_diff(state, ref_states[mode])}
 
     out["tensor_split_routing"] = tensor_split_routing()
 

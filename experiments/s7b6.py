@@ -1,7 +1,8 @@
 """7.6B: d=4096, 36 layers, 32/8 heads of 128, FFN 12288, Qwen3 vocabulary (7568.4M parameters, tied).
 
-Delta Block defaults to 6 layers per block (6 blocks). Needs a TPU pod slice or
-several large GPUs; see README.
+Delta Block defaults to 6 layers per block (6 blocks); remat defaults to "full". Needs a
+TPU pod slice (v5p-16, 8 chips, fits delta_block at 50.3 GiB and delta at 86.0 GiB per
+chip) or several large GPUs; see README.
 
 Run: python -m deltares.train --config experiments/s7b6.py:delta_block --workdir runs/s7b6_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
@@ -23,4 +24,6 @@ RECIPE = dict(
 
 
 def get_config(arg="delta_block"):
-    return experiment("s7b6", MODEL, arg, block_layers=6, recipe=RECIPE)
+    cfg = experiment("s7b6", MODEL, arg, block_layers=6, recipe=RECIPE)
+    cfg.model.remat = "full"  # without it nothing fits at this batch (README, "Will it fit?")
+    return cfg

@@ -31,47 +31,38 @@ from deltares.residual import ResidualPlan
 
 
 def _input_state(final: DepthState, saved, layer, plan: ResidualPlan) -> DepthState:
-    """Layer `layer`'s input state: slots before its first write slot come from the final
-    buffer, later slots are zero as they were, and in block modes its write slot (the
-    running partial) comes from `saved`.
-
-    Per-sublayer modes take the final buffer as it is, without a masked copy: a sublayer
-    reads only slots before its own write slot (the rest are masked out of its softmax, so
-    they get neither weight nor gradient) and overwrites its write slot with its delta."""
+    """A block mode's layer `layer` input state: slots before its first write slot come from
+    the final buffer, later slots are zero as they were, and its write slot (the running
+    partial) comes from `saved`."""
     h_BTD, partial = saved
-    if plan.mode not in BLOCK_MODES:
-        return DepthState(h_BTD, final.sources_SBTD, final.inv_rms_SBT)
     first = jnp.asarray(plan.write)[2 * layer]
     slots = jnp.arange(plan.n_slots)
     before = slots < first
     sources = jnp.where(before[:, None, None, None], final.sources_SBTD, 0)
     inv = jnp.where(before[:, None, None], final.inv_rms_SBT, 0)
-    if partial is not None:
-        slot_BTD, slot_inv_BT = partial
-        sources = sources.at[first].set(slot_BTD)
-        inv = inv.at[first].set(slot_inv_BT)
-    return DepthState(h_BTD, sources, inv)
+    slot_BTD, slot_inv_BT = partial
+    return DepthState(h_BTD, sources.at[first].set(slot_BTD), inv.at[first].set(slot_inv_BT))
 
 
 def _saved(state: DepthState, layer, plan: ResidualPlan):
     """What the backward pass cannot rebuild from the final buffer: the stream, and in block
-    modes the partial (per-sublayer modes write fresh slots, which are zero at layer input)."""
+    modes the partial (per-sublayer modes rebuild everything else from the final buffer)."""
     if plan.mode not in BLOCK_MODES:
         return state.h_BTD, None
     first = jnp.asarray(plan.write)[2 * layer]
     return state.h_BTD, (state.sources_SBTD[first], state.inv_rms_SBT[first])
 
 
-def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan,
-               sublayer_fn: Callable | None = None):
+def depth_scan(layer_fn: Callable, sublayer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
     `params_L`; returns (final state, stacked stats). Differentiable in params and state.
 
-    With `sublayer_fn(params_l, state, l, k) -> (v, 1/rms(v))` (sublayer k of layer l alone,
-    writing nothing), the per-sublayer modes differentiate sublayer by sublayer over the final
-    buffer (`_sublayer_backward`), so the backward pass never copies the buffer."""
+    Block modes differentiate layer by layer (`layer_fn` on the rebuilt input state); the
+    per-sublayer modes sublayer by sublayer over the final buffer with
+    `sublayer_fn(params_l, state, l, k) -> (v, 1/rms(v))` (sublayer k of layer l alone,
+    writing nothing; `_sublayer_backward`), so their backward pass never writes the buffer."""
     n_layers = plan.n_layers
-    by_sublayer = sublayer_fn is not None and plan.mode not in BLOCK_MODES
+    by_sublayer = plan.mode not in BLOCK_MODES
 
     def forward(params_L, state):
         def body(state, xs):
@@ -115,7 +106,7 @@ def _sublayer_backward(sublayer_fn, params_L, h_L, final: DepthState, d_final: D
     its softmax) and the stream h_j, and produces v_j, which is both slot write[j] and
     h_{j+1} - h_j. So v_j's cotangent is d h_{j+1} plus what later readers sent to its slot
     (d_sources[write[j]], and through 1/rms d_inv[write[j]]); its vjp adds to d h_j and to the
-    buffer's cotangent, which the scan carries and updates in place. h_j comes from the saved
+    buffer's cotangent, which the scan carries. h_j comes from the saved
     layer input (attention) or as h_l + final slot of the attention's delta (MLP), which is
     the value the forward pass computed. Statistics carry no gradient."""
     write = jnp.asarray(plan.write)

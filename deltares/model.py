@@ -115,7 +115,7 @@ class Transformer(nn.Module):
                 return layer.apply({"params": params_l}, state, index, cos_TH, sin_TH, only=which)
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
-            state, stats = depth_scan(layer_fn, params_L, state, plan, sublayer_fn)
+            state, stats = depth_scan(layer_fn, sublayer_fn, params_L, state, plan)
         else:
             state, stats, _ = self._layers(self._layer_class(), state, cos_TH, sin_TH, return_stats)
 

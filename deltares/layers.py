@@ -6,6 +6,7 @@ maps them onto mesh axes through one rules table; here they are only labels.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -183,32 +184,21 @@ def _model_axis(mesh, d_model: int):
     return "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 and d_model % mesh.shape["tensor"] == 0 else None
 
 
-def xla_route(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None):
+def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=None, null_D=None):
     """`routing.route_normalized`; under a mesh that splits the model dimension over `tensor`, it
     runs inside `jax.shard_map` on each device's slice of D: partial logits, `psum` over `tensor`,
     then local softmax and weighted sum, so the source buffer is never gathered."""
     mesh = jax.sharding.get_abstract_mesh()
     model_axis = None if mesh.empty else _model_axis(mesh, sources_SBTD.shape[-1])
+    args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D)
     if model_axis is None:
-        return routing.route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD, null_D)
+        return routing.route_normalized(*args)
     batch = _batch_axes(mesh, sources_SBTD.shape[1])
     P = jax.sharding.PartitionSpec
-    src, sbt, btd, d = P(None, batch, None, model_axis), P(None, batch, None), P(batch, None, model_axis), P(model_axis)
-    valid = jnp.asarray(valid, bool)
-    valid_spec = P()
-    if valid.ndim > 1:  # per-token validity: split like the logits
-        valid, valid_spec = jnp.broadcast_to(valid.reshape(valid.shape + (1,) * (3 - valid.ndim)), inv_rms_SBT.shape), sbt
-    args, specs = [sources_SBTD, inv_rms_SBT, valid, query_D, gain_D], [src, sbt, valid_spec, d, d]
-    optional = {"residual_BTD": (residual_BTD, btd), "null_D": (null_D, d)}
-    names = [name for name, (value, _) in optional.items() if value is not None]
-    args += [optional[name][0] for name in names]
-    specs += [optional[name][1] for name in names]
-
-    def route(sources, inv, valid, query, gain, *rest):
-        return routing.route_normalized(sources, inv, valid, query, gain, model_axis=model_axis,
-                                        **dict(zip(names, rest)))
-
-    return jax.shard_map(route, mesh=mesh, in_specs=tuple(specs), out_specs=(btd, sbt))(*args)
+    sbt, btd, d = P(None, batch, None), P(batch, None, model_axis), P(model_axis)
+    specs = (P(None, batch, None, model_axis), sbt, P(), d, d, btd, d)
+    route = functools.partial(routing.route_normalized, model_axis=model_axis)
+    return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*args)
 
 
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool):
@@ -226,10 +216,6 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
         return route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
     batch = _batch_axes(mesh, sources_SBTD.shape[1])
     P = jax.sharding.PartitionSpec
-    src, btd = P(None, batch, None, None), P(batch, None, None)
-    if residual_BTD is None:
-        fn = jax.shard_map(lambda s, v, q, g: route(s, v, q, g, None), mesh=mesh,
-                           in_specs=(src, P(), P(), P()), out_specs=btd)
-        return fn(sources_SBTD, valid, query_D, gain_D)
-    fn = jax.shard_map(route, mesh=mesh, in_specs=(src, P(), P(), P(), btd), out_specs=btd)
+    btd = P(batch, None, None)
+    fn = jax.shard_map(route, mesh=mesh, in_specs=(P(None, batch, None, None), P(), P(), P(), btd), out_specs=btd)
     return fn(sources_SBTD, valid, query_D, gain_D, residual_BTD)

@@ -19,10 +19,14 @@ Array = jax.Array
 NORM_EPS = 1e-6
 
 
-def inv_rms(x_BTD: Array, eps: float = NORM_EPS) -> Array:
-    """1 / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+def inv_rms(x_BTD: Array, eps: float = NORM_EPS, model_axis=None) -> Array:
+    """1 / sqrt(mean(x^2) + eps) over the last axis, in float32; with `model_axis` (inside
+    `jax.shard_map`) the axis is this device's slice of one split over that mesh axis."""
     x32 = x_BTD.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
+    sum_sq, count = jnp.sum(x32 * x32, axis=-1), x32.shape[-1]
+    if model_axis is not None:
+        sum_sq, count = jax.lax.psum(sum_sq, model_axis), jax.lax.psum(count, model_axis)
+    return jax.lax.rsqrt(sum_sq / count + eps)
 
 
 def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None,
@@ -48,8 +52,7 @@ def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual
         out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
     else:
         null_D = null_D.astype(jnp.float32)
-        null_inv_rms = jax.lax.rsqrt(sum_over_d(jnp.sum(null_D * null_D)) / sum_over_d(null_D.shape[0]) + NORM_EPS)
-        null_logit = sum_over_d(jnp.dot(null_D, qg_D)) * null_inv_rms
+        null_logit = sum_over_d(jnp.dot(null_D, qg_D)) * inv_rms(null_D, model_axis=model_axis)
         all_logits = jnp.concatenate([logits_SBT, jnp.broadcast_to(null_logit, (1, B, T))], axis=0)
         all_weights = jax.nn.softmax(all_logits, axis=0)
         weights_SBT, null_weight_BT = all_weights[:S], all_weights[S]

@@ -53,13 +53,13 @@ def _saved(state: DepthState, layer, plan: ResidualPlan):
     return state.h_BTD, (state.sources_SBTD[first], state.inv_rms_SBT[first])
 
 
-def depth_scan(layer_fn: Callable, sublayer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan):
+def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
     `params_L`; returns (final state, stacked stats). Differentiable in params and state.
 
     Block modes differentiate layer by layer (`layer_fn` on the rebuilt input state); the
     per-sublayer modes sublayer by sublayer over the final buffer with
-    `sublayer_fn(params_l, state, l, k) -> (v, 1/rms(v))` (sublayer k of layer l alone,
+    `layer_fn(params_l, state, l, only=k) -> (v, 1/rms(v))` (sublayer k of layer l alone,
     writing nothing; `_sublayer_backward`), so their backward pass never writes the buffer."""
     n_layers = plan.n_layers
     by_sublayer = plan.mode not in BLOCK_MODES
@@ -78,7 +78,7 @@ def depth_scan(layer_fn: Callable, sublayer_fn: Callable, params_L: Any, state: 
         params_L, saved, final = residuals
         d_final, d_stats = cotangents
         if by_sublayer:
-            return _sublayer_backward(sublayer_fn, params_L, saved[0], final, d_final, plan)
+            return _sublayer_backward(layer_fn, params_L, saved[0], final, d_final, plan)
 
         def body(d_state, xs):
             params_l, layer, saved_l, d_stats_l = xs
@@ -99,7 +99,7 @@ def depth_scan(layer_fn: Callable, sublayer_fn: Callable, params_L: Any, state: 
     return run(params_L, state)
 
 
-def _sublayer_backward(sublayer_fn, params_L, h_L, final: DepthState, d_final: DepthState, plan: ResidualPlan):
+def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: DepthState, plan: ResidualPlan):
     """The backward pass of the per-sublayer modes, sublayer by sublayer in reverse.
 
     Sublayer j reads the final buffer (slots from its own write slot on are masked out of
@@ -120,7 +120,7 @@ def _sublayer_backward(sublayer_fn, params_L, h_L, final: DepthState, d_final: D
             slot = write[2 * layer + k]
 
             def delta(p, h, sources, inv, k=k):
-                return sublayer_fn(p, DepthState(h, sources, inv), layer, k)
+                return layer_fn(p, DepthState(h, sources, inv), layer, only=k)
 
             _, vjp = jax.vjp(delta, params_l, h_in, final.sources_SBTD, final.inv_rms_SBT)
             d_v = (d_h + d_sources[slot]).astype(h_in.dtype)

@@ -108,14 +108,11 @@ class Transformer(nn.Module):
         elif cfg.scan_layers and self._store_once(plan):
             layer = DecoderLayer(cfg, return_stats, parent=None)
 
-            def layer_fn(params_l, state, index):
-                return layer.apply({"params": params_l}, state, index, cos_TH, sin_TH)
-
-            def sublayer_fn(params_l, state, index, which):
-                return layer.apply({"params": params_l}, state, index, cos_TH, sin_TH, only=which)
+            def layer_fn(params_l, state, index, only=None):
+                return layer.apply({"params": params_l}, state, index, cos_TH, sin_TH, only=only)
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
-            state, stats = depth_scan(layer_fn, sublayer_fn, params_L, state, plan)
+            state, stats = depth_scan(layer_fn, params_L, state, plan)
         else:
             state, stats, _ = self._layers(self._layer_class(), state, cos_TH, sin_TH, return_stats)
 

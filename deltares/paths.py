@@ -32,14 +32,6 @@ def join(base, *parts) -> str:
     return os.fspath(epath.Path(base).joinpath(*parts))
 
 
-def exists(path) -> bool:
-    return epath.Path(path).exists()
-
-
-def isdir(path) -> bool:
-    return epath.Path(path).is_dir()
-
-
 def makedirs(path) -> None:
     epath.Path(path).mkdir(parents=True, exist_ok=True)
 

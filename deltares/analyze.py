@@ -43,7 +43,7 @@ from deltares.checkpoint import load_checkpoint
 from deltares.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches
 from deltares.data.prepare import DataError
-from deltares.eval import run_dataset_path, text_file_tokens
+from deltares.eval import run_dataset_path, text_tokens
 from deltares.inference import check_params
 from deltares.layers import DepthRouter
 from deltares.metrics import read_metrics
@@ -93,11 +93,9 @@ def held_out_tokens(run: Run, data: str | None) -> tuple[np.ndarray, str]:
         tokens, source = TokenData(own).tokens("val"), os.path.join(own, "val.bin")
     elif os.path.isdir(data):
         tokens, source = TokenData(data).tokens("val"), os.path.join(data, "val.bin")
-    elif os.path.isfile(data):
-        tokens, _ = text_file_tokens(data, TokenData(own).tokenizer())
+    else:  # local text, read and tokenized as deltares.eval does
+        tokens, _ = text_tokens(data, TokenData(own).tokenizer())
         source = data
-    else:
-        raise DataError(f"no such dataset directory or text file: {data}")
     vocab = int(np.max(tokens)) + 1 if len(tokens) else 0
     if vocab > run.config.model.vocab_size:
         raise DataError(f"{source} has token ids up to {vocab - 1}, beyond the vocabulary of {run.name} "

@@ -12,11 +12,15 @@ import os
 from typing import NamedTuple
 
 import jax
+import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
 from deltares import paths
+from deltares.model import Transformer
+from deltares.sharding import state_shardings
+from deltares.steps import abstract_params
 
 
 class Checkpointer:
@@ -46,13 +50,7 @@ class Checkpointer:
 
     def check_params(self, step: int, abstract_params) -> None:
         """Raises ValueError naming the first parameter whose stored shape differs (or is missing)."""
-        path = paths.join(self.directory, str(step), "state")
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity(logging.ERROR)  # orbax warns that the step-level metadata file is elsewhere
-        try:
-            stored = ocp.StandardCheckpointer().metadata(path).item_metadata["params"]
-        finally:
-            logging.set_verbosity(verbosity)
+        stored = stored_params(paths.join(self.directory, str(step), "state"))
         stored = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
         for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
             name = jax.tree_util.keystr(key)
@@ -89,20 +87,59 @@ def find_checkpoint(path: str) -> tuple[str, int]:
     return os.fspath(directory), max(steps)
 
 
+def stored_params(state_dir: str):
+    """The metadata (shape, dtype) of every parameter of a saved train state: orbax reads each
+    array's small header (zarr metadata), no array data."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # orbax warns that the step-level metadata file is elsewhere
+    try:
+        return ocp.StandardCheckpointer().metadata(state_dir).item_metadata["params"]
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def restore_params(state_dir: str, model_cfg, mesh=None) -> dict:
+    """`{"params": ...}` of a saved train state: an orbax partial restore that reads no other
+    array's data (the optimizer state, Adam's two moments, twice the parameters, is never read).
+    On the first device, or with `mesh` each parameter split by the logical rules of `model_cfg`
+    (deltares.sharding, as training places them), so no device holds more than its shards."""
+    stored = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), stored_params(state_dir))
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, stored)
+    else:
+        boxed = abstract_params(Transformer(model_cfg), 1)
+        shardings = state_shardings(boxed, stored, mesh)
+    item = {"params": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                   stored, shardings)}
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)
+    try:
+        return ocp.PyTreeCheckpointer().restore(
+            state_dir,
+            args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+            ),
+        )
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 class LoadedCheckpoint(NamedTuple):
     config: dict
-    state: dict | None
+    state: dict | None  # {"params": ...} only: inference never needs the optimizer state
     step: int
     workdir: str  # the run directory holding `checkpoints/`
 
 
-def load_checkpoint(path: str, want_state: bool = True) -> LoadedCheckpoint:
-    """The newest checkpoint under `path` (see `find_checkpoint`), arrays on the default device."""
+def load_checkpoint(path: str, want_state: bool = True, mesh=None) -> LoadedCheckpoint:
+    """The config and parameters of the newest checkpoint under `path` (see `find_checkpoint`),
+    restored without the optimizer state (`restore_params`): on the first device, or split over
+    `mesh` by the logical rules of the saved model config."""
     directory, step = find_checkpoint(path)
     step_dir = paths.join(directory, str(step))
     config = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(paths.join(step_dir, "config"))
     state = None
     if want_state:
-        state = ocp.StandardCheckpointer().restore(paths.join(step_dir, "state"))
-        state = jax.tree.map(jax.numpy.asarray, state)
+        state = restore_params(paths.join(step_dir, "state"), ml_collections.ConfigDict(config).model, mesh)
     return LoadedCheckpoint(config, state, step, os.fspath(epath.Path(directory).parent))

@@ -1,10 +1,20 @@
 """Evaluate a checkpoint: loss, perplexity and bits per byte.
 
     python -m deltares.eval --checkpoint runs/demo --data runs/demo/dataset
-    python -m deltares.eval --checkpoint runs/demo/checkpoints/300 --data some_text.txt
+    python -m deltares.eval --checkpoint runs/demo/checkpoints/300 --data 'books/*.txt.gz'
 
-`--data` is a prepared dataset directory (its validation split is used) or a plain
-text file, tokenized with the tokenizer of the run's own dataset.
+`--data` is a prepared dataset directory (its validation split is used) or local text
+as `deltares.data.prepare --source` takes it (files, `.gz`, globs, comma-separated),
+read by the same reader (`read_documents`: strict UTF-8, an error names a file that is
+not) and tokenized like prepare does (each document, then end-of-text) with the
+tokenizer of the run's own dataset.
+
+Every token is scored once: the stream starts with end-of-text (as every document
+follows one in training), windows of `seq_len` targets in batches, then the remainder.
+Bits per byte divide the total nats by the bytes of exactly that text: each document's
+UTF-8 bytes plus one per end-of-text (`document_bytes`, as in the dataset's meta.json).
+With `--max_batches` only the first batches of the fixed validation windows the trainer
+reports are scored (its val_bpb: the split's mean bytes per token).
 """
 
 from __future__ import annotations
@@ -19,8 +29,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from deltares.checkpoint import load_checkpoint
-from deltares.data.dataset import TokenData, eval_batches
-from deltares.data.prepare import BUILTIN, DataError
+from deltares.data.dataset import TokenData, Windows, eval_batches
+from deltares.data.prepare import BUILTIN, DataError, document_bytes, encode_documents, read_documents
 from deltares.model import Transformer
 from deltares.paths import builtin_dataset_dir
 from deltares.steps import make_eval_step
@@ -28,15 +38,37 @@ from deltares.steps import make_eval_step
 FROM_HF = "init_from_hf"  # config.data.tokenizer value: the tokenizer of config.init_from_hf
 
 
-def evaluate(eval_step, params, batches, bytes_per_token: float) -> dict:
-    """Mean token loss (nats), perplexity and bits per byte over `batches`."""
+def score(eval_step, params, batches) -> tuple[float, int]:
+    """(total nats, tokens scored) over `batches`."""
     total, count = 0.0, 0
     for batch in batches:
         nll, n = eval_step(params, batch)
         total += float(nll)
         count += int(n)
-    loss = total / count
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_bpb": loss / math.log(2) / bytes_per_token}
+    return total, count
+
+
+def metrics(nats: float, count: int, n_bytes: float) -> dict:
+    """Mean token loss (nats), perplexity and bits per byte of `count` tokens spelling `n_bytes` bytes."""
+    loss = nats / count
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_bpb": nats / math.log(2) / n_bytes}
+
+
+def evaluate(eval_step, params, batches, bytes_per_token: float) -> dict:
+    """Loss, perplexity and bits per byte over `batches`, bytes at the split's mean per token."""
+    nats, count = score(eval_step, params, batches)
+    return metrics(nats, count, count * bytes_per_token)
+
+
+def every_token_batches(tokens, eos_id: int, seq_len: int, batch: int):
+    """Batches scoring every token of `tokens` exactly once, after a leading end-of-text: full
+    batches of `seq_len`-target windows, then the leftover windows, then the shorter last one."""
+    stream = np.concatenate([np.asarray([eos_id], np.int32), np.asarray(tokens, np.int32)])
+    windows = Windows(stream, seq_len)
+    for start in range(0, len(windows), batch):
+        yield np.stack([windows[i] for i in range(start, min(start + batch, len(windows)))])
+    if len(stream) - 1 > len(windows) * seq_len:
+        yield stream[len(windows) * seq_len :][None]
 
 
 def run_tokenizer(config) -> str:
@@ -56,37 +88,40 @@ def run_dataset_path(config, workdir: str) -> str:
     return builtin_dataset_dir(workdir, run_tokenizer(config)) if path == BUILTIN else path
 
 
-def text_file_tokens(path: str, tokenizer) -> tuple[np.ndarray, float]:
-    """Tokens of a plain text file (end-of-text appended) and its bytes per token."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    if not text.strip():
-        raise DataError(f"{path} is empty")
-    tokens = np.asarray(tokenizer.encode(text) + [tokenizer.eos_id], np.int32)
-    return tokens, len(text.encode("utf-8")) / len(tokens)
+def text_tokens(source: str, tokenizer) -> tuple[np.ndarray, int]:
+    """Tokens of local text (see `read_documents`), each document followed by end-of-text as
+    prepare writes them, and the bytes they spell (`document_bytes`)."""
+    docs = read_documents(source)
+    if not docs:
+        raise DataError(f"{source} holds no text")
+    tokens = np.concatenate([np.asarray(ids, np.int32) for ids in encode_documents(docs, tokenizer)])
+    return tokens, sum(document_bytes(doc) for doc in docs)
 
 
 def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches: int | None = None) -> dict:
+    """Loss, perplexity and bits per byte of the checkpoint on `data` (see the module docstring)."""
     ckpt = load_checkpoint(checkpoint)
     cfg = ml_collections.ConfigDict(ckpt.config)
-    seq_len = cfg.data.seq_len
+    if os.path.isdir(data) and not os.path.exists(os.path.join(data, "meta.json")):
+        raise DataError(f"{data} is a directory but not a prepared dataset (no meta.json); for text files "
+                        f"pass them or a glob such as '{data}/*.txt'")
     if os.path.isdir(data):
         dataset = TokenData(data)
-        tokens, bytes_per_token = dataset.tokens("val"), dataset.bytes_per_token("val")
-        vocab = dataset.vocab_size
+        tokens, n_bytes = dataset.tokens("val"), dataset.meta["splits"]["val"]["bytes"]
     else:
-        if not os.path.isfile(data):
-            raise DataError(f"no such dataset directory or text file: {data}")
-        tokenizer = TokenData(run_dataset_path(ckpt.config, ckpt.workdir)).tokenizer()
-        tokens, bytes_per_token = text_file_tokens(data, tokenizer)
-        vocab = tokenizer.vocab_size
-        seq_len = min(seq_len, len(tokens) - 1)
-        batch = max(1, min(batch, (len(tokens) - 1) // seq_len))
-    if vocab > cfg.model.vocab_size:
-        raise DataError(f"data vocabulary {vocab} is larger than the model's {cfg.model.vocab_size}")
+        dataset = TokenData(run_dataset_path(ckpt.config, ckpt.workdir))
+        tokens, n_bytes = text_tokens(data, dataset.tokenizer())
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"data vocabulary {dataset.vocab_size} is larger than the model's {cfg.model.vocab_size}")
     eval_step = jax.jit(make_eval_step(Transformer(cfg.model)))
-    metrics = evaluate(eval_step, ckpt.state["params"], eval_batches(tokens, seq_len, batch, max_batches), bytes_per_token)
-    return {"step": ckpt.step, **metrics}
+    params = ckpt.state["params"]
+    if max_batches:  # the trainer's validation set and bytes-per-token estimate
+        batches = eval_batches(tokens, cfg.data.seq_len, batch, max_batches)
+        nats, count = score(eval_step, params, batches)
+        n_bytes = count * n_bytes / len(tokens)
+    else:
+        nats, count = score(eval_step, params, every_token_batches(tokens, dataset.eos_id, cfg.data.seq_len, batch))
+    return {"step": ckpt.step, "tokens": count, "bytes": n_bytes, "nats": nats, **metrics(nats, count, n_bytes)}
 
 
 def main(argv):
@@ -103,7 +138,9 @@ def main(argv):
 
 if __name__ == "__main__":  # flags only for the command line, so modules import side by side
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
-    _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory or a plain text file.")
+    _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or text files, .gz, globs "
+                                "(comma-separated), as prepare's --source.")
     _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per evaluation batch.")
-    _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches.")
+    _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Score only the first N batches of the trainer's "
+                                        "validation windows (bits per byte at the mean bytes per token).")
     app.run(main)

@@ -9,13 +9,14 @@ window starting at token `i * seq_len` begins with the value `i * seq_len`).
 import gzip
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 import tokenizers
 
 from deltares.data.dataset import TokenData, Windows, eval_batches, train_dataset, train_iterator
-from deltares.data.prepare import DataError, prepare, split_documents
+from deltares.data.prepare import DataError, prepare, read_documents, read_text, split_documents
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -81,6 +82,44 @@ def expected_split_stats(docs):
 def test_split_documents_on_blank_lines():
     text = "\n\nfirst line\nsecond line\n\n  \n\nthird\n \t \nfourth\n\n"
     assert split_documents(text) == ["first line\nsecond line", "third", "fourth"]
+
+
+def test_read_text_plain_gzip_and_byte_order_mark(tmp_path):
+    text = "caf\u00e9 \u2014 na\u00efve\n\nsecond \U0001f40b\n"
+    (tmp_path / "a.txt").write_bytes(text.encode("utf-8"))
+    (tmp_path / "b.txt.gz").write_bytes(gzip.compress(text.encode("utf-8")))
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    for name in ("a.txt", "b.txt.gz", "bom.txt"):
+        assert read_text(str(tmp_path / name)) == text, name
+
+
+def test_read_documents_of_globs_and_lists_in_order(tmp_path):
+    write_corpus(tmp_path / "2.txt", make_docs(3, 5, "two"))
+    with gzip.open(tmp_path / "1.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("\n\n".join(make_docs(2, 6, "one")))
+    one, two = make_docs(2, 6, "one"), make_docs(3, 5, "two")
+    assert read_documents(str(tmp_path / "*")) == one + two  # sorted file names
+    assert read_documents(f"{tmp_path / '2.txt'}, {tmp_path / '1.txt.gz'}") == two + one  # as listed
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        pytest.param("latin1.txt", "caf\u00e9\n\nna\u00efve\n".encode("latin-1"), id="latin-1"),
+        pytest.param("latin1.txt.gz", gzip.compress("caf\u00e9\n".encode("latin-1")), id="latin-1-gzipped"),
+        pytest.param("blob.txt", bytes(range(256)) * 4, id="binary"),
+        pytest.param("text.txt.gz", b"plain text, not gzip\n", id="not-gzip"),
+    ],
+)
+def test_undecodable_input_is_a_data_error_naming_the_file(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(DataError, match=re.escape(str(path))):
+        read_text(str(path))
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=re.escape(str(path))):
+        prepare(str(path), "bytes", str(out), val_fraction=0.25, progress=False)
+    assert not out.exists()
 
 
 def test_prepare_text_files_splits_whole_documents(tmp_path):

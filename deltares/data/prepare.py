@@ -50,17 +50,27 @@ class DataError(ValueError):
     """Input data that cannot be prepared or read; the message names the problem."""
 
 
-def _read_text(path: str) -> str:
+def read_text(path: str) -> str:
+    """The text of a local file, gunzipped when its name ends in `.gz`, decoded as strict UTF-8
+    (a leading byte-order mark dropped): what prepare tokenizes and eval scores. Raises DataError
+    naming the file for bytes that are not UTF-8 (Latin-1, binary) or a broken gzip stream."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        return f.read()
+    try:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, "
+                        "e.g. iconv -f latin1 -t utf-8") from None
+    except (gzip.BadGzipFile, EOFError) as err:
+        raise DataError(f"{path} is not a readable gzip file: {err}") from None
 
 
 def split_documents(text: str) -> list[str]:
     return [d.strip() for d in _BLANK_LINES.split(text) if d.strip()]
 
 
-def _text_paths(source: str) -> list[str]:
+def text_paths(source: str) -> list[str]:
+    """The files of a local text source: paths and globs, comma-separated."""
     paths: list[str] = []
     for pattern in source.split(","):
         pattern = os.path.expanduser(pattern.strip())
@@ -76,11 +86,28 @@ def _text_paths(source: str) -> list[str]:
     return paths
 
 
+def read_documents(source: str) -> list[str]:
+    """Every document of a local text source (see `text_paths`), file by file, as prepare splits them."""
+    return [doc for path in text_paths(source) for doc in split_documents(read_text(path))]
+
+
+def document_bytes(doc: str) -> int:
+    """The bytes a document counts for bits per byte: its UTF-8 bytes plus one for the separator
+    that its end-of-text token stands for (so the end-of-text is scored against a byte)."""
+    return len(doc.encode("utf-8")) + 1
+
+
+def encode_documents(docs: list[str], tokenizer) -> list[list[int]]:
+    """Each document's tokens followed by end-of-text."""
+    encoded = tokenizer.encode_batch(docs) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, docs)
+    return [list(ids) + [tokenizer.eos_id] for ids in encoded]
+
+
 def file_documents(paths: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """(train, val) documents of text files: each file's last `val_fraction` is held out."""
     train, val = [], []
     for path in paths:
-        docs = split_documents(_read_text(path))
+        docs = split_documents(read_text(path))
         n_val = int(round(len(docs) * val_fraction)) if len(docs) > 1 else 0
         if val_fraction > 0 and len(docs) > 1:
             n_val = max(1, n_val)
@@ -113,19 +140,18 @@ def hf_documents(name: str, config: str | None, split: str, field: str, max_docs
 class _TokenWriter:
     """Appends documents' tokens (each followed by end-of-text) to a flat binary file."""
 
-    def __init__(self, path: str, dtype, eos_id: int):
+    def __init__(self, path: str, dtype):
         self.file = open(path, "wb")
-        self.dtype, self.eos_id = dtype, eos_id
+        self.dtype = dtype
         self.tokens = self.documents = self.bytes = 0
 
     def add(self, docs: list[str], tokenizer) -> None:
-        encoded = tokenizer.encode_batch(docs) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, docs)
-        for doc, ids in zip(docs, encoded):
-            arr = np.asarray(list(ids) + [self.eos_id], dtype=self.dtype)
+        for doc, ids in zip(docs, encode_documents(docs, tokenizer)):
+            arr = np.asarray(ids, dtype=self.dtype)
             arr.tofile(self.file)
             self.tokens += arr.size
             self.documents += 1
-            self.bytes += len(doc.encode("utf-8")) + 1
+            self.bytes += document_bytes(doc)
 
     def close(self) -> dict:
         self.file.close()
@@ -159,7 +185,7 @@ def prepare(
 
         n_docs = max_docs
     else:
-        paths = [builtin_path()] if source == BUILTIN else _text_paths(source)
+        paths = [builtin_path()] if source == BUILTIN else text_paths(source)
         train_docs, val_docs = file_documents(paths, val_fraction)
         train_docs = train_docs[:max_docs] if max_docs else train_docs
         if not train_docs or not val_docs:
@@ -185,7 +211,7 @@ def prepare(
     tmp_dir = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
-    writers = {split: _TokenWriter(os.path.join(tmp_dir, f"{split}.bin"), dtype, tokenizer.eos_id) for split in SPLITS}
+    writers = {split: _TokenWriter(os.path.join(tmp_dir, f"{split}.bin"), dtype) for split in SPLITS}
     pending: dict[str, list[str]] = {split: [] for split in SPLITS}
     bar = tqdm(total=n_docs, desc="tokenizing", unit="doc", disable=not progress, file=sys.stderr)
     for split, doc in labeled():

@@ -1,4 +1,4 @@
-"""Next-token cross-entropy."""
+"""Next-token cross-entropy, plain and chunked over the sequence."""
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +14,37 @@ def token_nll(logits_BTV, targets_BT):
 
 def lm_loss(logits_BTV, targets_BT, mask_BT=None):
     """Mean next-token cross-entropy over the tokens where `mask_BT` is true (all by default)."""
-    nll_BT = token_nll(logits_BTV, targets_BT)
+    return masked_mean(token_nll(logits_BTV, targets_BT), mask_BT)
+
+
+def masked_mean(nll_BT, mask_BT=None):
+    """Mean of `nll_BT` over the tokens where `mask_BT` is true (all by default)."""
     if mask_BT is None:
         return nll_BT.mean()
     mask = mask_BT.astype(jnp.float32)
     return (nll_BT * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def head_token_nll(x_BTD, kernel_DV, targets_BT, chunk: int = 0, dtype=jnp.float32):
+    """Per-token NLL [B, T] of the logits `x_BTD @ kernel_DV` (computed in `dtype`, softmax in
+    float32), `chunk` tokens of every sequence at a time (0: all at once).
+
+    Chunked, the logits of one chunk ([B, chunk, V]) are all that exists at a time: the loop
+    over chunks is a scan whose body is rematerialised, so the backward pass recomputes each
+    chunk's logits instead of keeping [B, T, V] float32 logits alive (the largest activation of
+    a training step at Qwen3's 151,936-token vocabulary). The batch axis stays whole, so its
+    sharding is untouched; T that `chunk` does not divide is padded (and the padding dropped)."""
+    B, T, D = x_BTD.shape
+
+    def nll(x_BKD, targets_BK):
+        logits_BKV = jnp.einsum("bkd,dv->bkv", x_BKD.astype(dtype), kernel_DV.astype(dtype))
+        return token_nll(logits_BKV, targets_BK)
+
+    if not chunk or chunk >= T:
+        return nll(x_BTD, targets_BT)
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    x_CBKD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, chunk, D).swapaxes(0, 1)
+    targets_CBK = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
+    nll_CBK = jax.lax.map(lambda args: jax.checkpoint(nll)(*args), (x_CBKD, targets_CBK))
+    return nll_CBK.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T]

@@ -140,13 +140,16 @@ class DepthRouter(nn.Module):
     For converting pretrained checkpoints (DESIGN.md section 3): `gate` adds a scalar
     gate (zeros) on the routed term, `residual + gate * route`, so a converted model
     computes exactly the pretrained function at step 0; `null_source` adds the paper's
-    learned null source (zeros) to every routing.
+    learned null source (zeros) to every routing. `eps` is the key norm's (config.model.norm_eps,
+    the one the cached 1/rms was computed with); it also normalises the null source and, in
+    the kernel, every source.
     """
 
     gate: bool = False
     null_source: bool = False
     impl: str = "xla"  # else the fused Pallas kernel ("pallas": best for the backend), which returns no weights
     interpret: bool = False  # run the kernel in Pallas interpret mode (CPU tests)
+    eps: float = routing.NORM_EPS
 
     @nn.compact
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
@@ -163,10 +166,11 @@ class DepthRouter(nn.Module):
             gate = self.param("gate", _param_init(nn.initializers.zeros, ("norm",)), (1,), jnp.float32)
         inner_residual = residual_BTD if gate is None else None
         if self.impl == "xla":
-            route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null)
+            route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null,
+                                               self.eps)
         else:
             route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual,
-                                                  self.impl, self.interpret), None
+                                                  self.impl, self.interpret, self.eps), None
         if gate is None:
             return route_BTD, weights_SBT
         out_BTD = residual_BTD.astype(jnp.float32) + gate[0] * route_BTD.astype(jnp.float32)
@@ -184,7 +188,8 @@ def _model_axis(mesh, d_model: int):
     return "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 and d_model % mesh.shape["tensor"] == 0 else None
 
 
-def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=None, null_D=None):
+def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=None, null_D=None,
+              eps: float = routing.NORM_EPS):
     """`routing.route_normalized`; under a mesh that splits the model dimension over `tensor`, it
     runs inside `jax.shard_map` on each device's slice of D: partial logits, `psum` over `tensor`,
     then local softmax and weighted sum, so the source buffer is never gathered."""
@@ -192,16 +197,17 @@ def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=
     model_axis = None if mesh.empty else _model_axis(mesh, sources_SBTD.shape[-1])
     args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D)
     if model_axis is None:
-        return routing.route_normalized(*args)
+        return routing.route_normalized(*args, eps=eps)
     batch = _batch_axes(mesh, sources_SBTD.shape[1])
     P = jax.sharding.PartitionSpec
     sbt, btd, d = P(None, batch, None), P(batch, None, model_axis), P(model_axis)
     specs = (P(None, batch, None, model_axis), sbt, P(), d, d, btd, d)
-    route = functools.partial(routing.route_normalized, model_axis=model_axis)
+    route = functools.partial(routing.route_normalized, model_axis=model_axis, eps=eps)
     return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*args)
 
 
-def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool):
+def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
+                 eps: float = routing.NORM_EPS):
     """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of
     several devices it runs inside `jax.shard_map`, tokens split over the batch axes, D whole
     (the kernel normalises each source itself, so a D split over `tensor` is gathered)."""
@@ -209,7 +215,8 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
 
     def route(sources, valid, query, gain, residual):
         implementation = None if impl == "pallas" else impl
-        return depth_route(sources, valid, query, gain, residual, implementation=implementation, interpret=interpret)
+        return depth_route(sources, valid, query, gain, residual, implementation=implementation, interpret=interpret,
+                           eps=eps)
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:

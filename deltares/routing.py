@@ -30,11 +30,12 @@ def inv_rms(x_BTD: Array, eps: float = NORM_EPS, model_axis=None) -> Array:
 
 
 def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None,
-                     model_axis=None):
+                     model_axis=None, eps: float = NORM_EPS):
     """Routing given per-source 1/rms. Returns (out_BTD, weights_SBT).
 
     `null_D` adds one learned source shared by every token (the paper's null source for
-    fine-tuning); its weight is 1 - sum(weights_SBT).
+    fine-tuning); its weight is 1 - sum(weights_SBT), its 1/rms is taken with `eps` (the
+    one the cached `inv_rms_SBT` was computed with).
     With `model_axis` (inside `jax.shard_map`) every D-sized argument is this device's
     slice of a model dimension split over that mesh axis: the partial logits are summed
     with `psum`, and softmax and weighted sum run locally on the slice."""
@@ -52,7 +53,7 @@ def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual
         out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
     else:
         null_D = null_D.astype(jnp.float32)
-        null_logit = sum_over_d(jnp.dot(null_D, qg_D)) * inv_rms(null_D, model_axis=model_axis)
+        null_logit = sum_over_d(jnp.dot(null_D, qg_D)) * inv_rms(null_D, eps, model_axis)
         all_logits = jnp.concatenate([logits_SBT, jnp.broadcast_to(null_logit, (1, B, T))], axis=0)
         all_weights = jax.nn.softmax(all_logits, axis=0)
         weights_SBT, null_weight_BT = all_weights[:S], all_weights[S]

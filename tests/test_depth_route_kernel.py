@@ -93,6 +93,23 @@ def test_kernel_matches_oracle(impl, case):
 
 
 @pytest.mark.parametrize("impl", KERNELS)
+def test_kernel_takes_the_key_norm_eps(impl):
+    """Sources of RMS ~1e-2, where the key norm's eps matters: at eps 1e-6 and 1e-3 the kernel,
+    forward and backward, follows the oracle at the same eps, and the two eps route differently."""
+    sources, valid, query, gain, res = make_inputs(4, 2, 8, 32, jnp.float32, "random", True, seed=4)
+    args = (sources * 1e-2, valid, query, gain, res)
+    outs = {}
+    for eps in (1e-6, 1e-3):
+        out, grads = route_and_grads(lambda *a: depth_route(*a, implementation=impl, interpret=True, eps=eps), *args)
+        ref_out, ref_grads = route_and_grads(lambda *a: routing.depth_route(*a, eps=eps), *args)
+        assert_close(out, ref_out, 1e-5, f"out, eps={eps}")
+        for name, g, r in zip(("sources", "query", "gain", "residual"), grads, ref_grads):
+            assert_close(g, r, 1e-5, f"{name}, eps={eps}")
+        outs[eps] = np.asarray(ref_out - res)  # the routed term
+    assert np.abs(outs[1e-3] - outs[1e-6]).max() > 0.1 * np.abs(outs[1e-6]).max()
+
+
+@pytest.mark.parametrize("impl", KERNELS)
 def test_several_token_tiles_and_traced_mask(impl, monkeypatch):
     """Several tiles per call (on GPU a partial last one) and a mask traced under jit; the TPU
     kernel in the TPU interpret mode (simulated VMEM, DMAs and pipelining of the grid)."""
@@ -219,12 +236,15 @@ def test_tpu_kernel_compiles_for_a_tpu_slice_in_shard_map():
 # ----------------------------------------------------------------------------- in the model
 
 
-@pytest.mark.parametrize("mode, impl", [("full_attnres", "pallas_tpu"), ("block_attnres", "pallas_tpu"),
-                                        ("delta", "pallas_tpu"), ("delta_block", "pallas_tpu"),
-                                        ("delta_block", "pallas_gpu")])
-def test_model_with_kernel_equals_xla(mode, impl, monkeypatch):
+@pytest.mark.parametrize("mode, impl, norm_eps", [
+    ("full_attnres", "pallas_tpu", 1e-6), ("block_attnres", "pallas_tpu", 1e-6), ("delta", "pallas_tpu", 1e-6),
+    ("delta_block", "pallas_tpu", 1e-6), ("delta_block", "pallas_gpu", 1e-6),
+    ("block_attnres", "pallas_gpu", 1e-3), ("delta_block", "pallas_tpu", 1e-3)])
+def test_model_with_kernel_equals_xla(mode, impl, norm_eps, monkeypatch):
     """`model.residual.impl` set to a kernel (interpret mode) gives the loss and gradients of "xla",
-    through the scanned, rematerialised depth pass (the store-once backward) with a gate."""
+    through the scanned, rematerialised depth pass (the store-once backward) with a gate. With
+    norm_eps=1e-3 the embedding (a source of every router) has RMS ~1e-2, so the kernel must
+    take config.model.norm_eps: with the default eps its routing would differ."""
     from deltares.config import model_config
     from deltares.losses import lm_loss
     from deltares.model import Transformer
@@ -242,13 +262,16 @@ def test_model_with_kernel_equals_xla(mode, impl, monkeypatch):
     results = []
     for kernel in ("xla", impl):
         cfg = model_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
-                           dtype="float32", remat="full", residual=dict(mode=mode, block_layers=1, impl=kernel,
-                                                                        interpret=kernel != "xla",
-                                                                        gate=mode == "delta_block"))
+                           dtype="float32", remat="full", norm_eps=norm_eps,
+                           residual=dict(mode=mode, block_layers=1, impl=kernel, interpret=kernel != "xla",
+                                         gate=mode == "delta_block"))
         model = Transformer(cfg)
         params = model.init(jax.random.key(1), tokens)["params"]
         keys = iter(jax.random.split(jax.random.key(2), 64))
         params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), params)
+        if norm_eps > 1e-6:  # embedding RMS ~1e-2: mean square 1e-4, well under eps
+            params["embed"] = jax.tree.map(lambda x: 0.03 * x, params["embed"])
+            assert float(jnp.mean(jax.tree.leaves(params["embed"])[0] ** 2)) < 0.3 * norm_eps
         loss_fn = lambda p: lm_loss(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])  # noqa: E731
         results.append(jax.jit(jax.value_and_grad(loss_fn))(params))
     assert calls["forward"] > 0 and calls["backward"] > 0, calls

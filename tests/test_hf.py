@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -289,6 +290,12 @@ def test_convert_cli_round_trip(tmp_path):
 
 
 def test_finetune_from_hf_lowers_the_loss(tmp_path):
+    """Step 0 of `train` with init_from_hf (converted delta_block, gate 0) has the pretrained
+    model's loss on its first batch, and fine-tuning lowers it. The reference loss is the plain
+    baseline import's (deltares.hf.from_hf), which test_baseline_import_matches_transformers
+    checks against the logits `transformers` computed; a random init gives another loss."""
+    from deltares.data.dataset import TokenData, train_dataset
+    from deltares.eval import run_dataset_path
     from deltares.train import train
 
     sys.path.insert(0, ROOT)
@@ -306,6 +313,17 @@ def test_finetune_from_hf_lowers_the_loss(tmp_path):
     result = train(cfg, str(tmp_path))
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     first, last = records[0]["loss"], np.mean([r["loss"] for r in records[-3:]])
+
+    # records[0] is step 1: the loss of the initial parameters on the first batch.
+    data = TokenData(run_dataset_path(cfg, str(tmp_path)))
+    batch = np.asarray(train_dataset(data.tokens("train"), cfg.data.seq_len, cfg.train.global_batch, cfg.seed)[0])
+    assert batch.shape == (4, 33)
+    base_cfg, base_params = hf.from_hf(TINY, dtype="float32", scan_layers=False)
+    pretrained = float(lm_loss(Transformer(base_cfg).apply({"params": base_params}, batch[:, :-1]), batch[:, 1:]))
+    assert first == pytest.approx(pretrained, rel=1e-5), (first, pretrained)
+    fresh = nn.meta.unbox(Transformer(small).init(jax.random.key(cfg.seed), batch[:, :-1]))["params"]
+    random_init = float(lm_loss(Transformer(small).apply({"params": fresh}, batch[:, :-1]), batch[:, 1:]))
+    assert abs(random_init - pretrained) > 0.1, (random_init, pretrained)  # the check sees unloaded weights
     assert last < first - 0.2, (first, last)
     assert np.isfinite(result["val_ppl"])
     from deltares.checkpoint import load_checkpoint

@@ -74,8 +74,8 @@ def attention(x_BTD, p, cfg):
     q = np.einsum("btd,dnh->btnh", x_BTD, p["q_proj"]["kernel"])
     k = np.einsum("btd,dkh->btkh", x_BTD, p["k_proj"]["kernel"])
     v = np.einsum("btd,dkh->btkh", x_BTD, p["v_proj"]["kernel"])
-    q = rope(rmsnorm(q, p["q_norm"]["scale"]), cfg.rope_theta)
-    k = rope(rmsnorm(k, p["k_norm"]["scale"]), cfg.rope_theta)
+    q = rope(rmsnorm(q, p["q_norm"]["scale"], cfg.norm_eps), cfg.rope_theta)
+    k = rope(rmsnorm(k, p["k_norm"]["scale"], cfg.norm_eps), cfg.rope_theta)
     T = x_BTD.shape[1]
     causal = np.tril(np.ones((T, T), bool))
     group = cfg.n_heads // cfg.n_kv_heads
@@ -94,9 +94,9 @@ def mlp(x_BTD, p):
     return (silu(gate) * up) @ p["down_proj"]["kernel"]
 
 
-def route(sources, router):
+def route(sources, router, eps=EPS):
     """z_i = w . RMSNorm_g(s_i); a = softmax_i(z); returns (sum_i a_i s_i, a [S, B, T])."""
-    z = np.stack([rmsnorm(s, router["gain"]) @ router["query"] for s in sources])
+    z = np.stack([rmsnorm(s, router["gain"], eps) @ router["query"] for s in sources])
     a = softmax(z, axis=0)
     return sum(a[i][..., None] * s for i, s in enumerate(sources)), a
 
@@ -142,12 +142,14 @@ def n_slots(mode, n_layers, block_layers):
 
 
 def reference_forward(params, tokens_BT, cfg, mode, block_layers, include_partial, *,
-                      sources_rule=sources_for, replaces=None):
+                      sources_rule=sources_for, replaces=None, route_eps=None):
     """Unrolled forward pass. Returns (logits, stats in production's slot order, norm outputs).
 
-    `sources_rule` and `replaces` exist only so tests can plug in deliberately wrong rules.
+    Every norm takes `cfg.norm_eps`. `sources_rule`, `replaces` and `route_eps` (the routers'
+    eps alone) exist only so tests can plug in deliberately wrong rules.
     """
-    L = cfg.n_layers
+    L, eps = cfg.n_layers, cfg.norm_eps
+    route_eps = eps if route_eps is None else route_eps
     replaces = (mode in REPLACEMENT_MODES) if replaces is None else replaces
     emb = params["embed"]["embedding"]
     e = emb[tokens_BT]
@@ -172,21 +174,21 @@ def reference_forward(params, tokens_BT, cfg, mode, block_layers, include_partia
             if len(S) == 1:  # one source: no routing
                 x = S[0] if replaces else h
             else:
-                r, a = route(S, lp[f"{kind}_router"])
+                r, a = route(S, lp[f"{kind}_router"], route_eps)
                 x = r if replaces else h + r
                 stats["weights"][j, : len(S)] = a.mean(axis=(1, 2))
                 stats["max_weight"][j] = a.max(axis=0).mean()
                 stats["entropy"][j] = (-np.sum(a * np.log(a), axis=0)).mean()
-        y = rmsnorm(x, lp[f"{kind}_norm"]["scale"])
+        y = rmsnorm(x, lp[f"{kind}_norm"]["scale"], eps)
         norm_out.append(y)
         v_j = attention(y, lp["attn"], cfg) if kind == "attn" else mlp(y, lp["mlp"])
         v.append(v_j)
         h = h + v_j
     if mode in REPLACEMENT_MODES:
-        out, _ = route(final_sources(mode, e, v, L, block_layers), params["final_router"])
+        out, _ = route(final_sources(mode, e, v, L, block_layers), params["final_router"], route_eps)
     else:
         out = h
-    logits = rmsnorm(out, params["final_norm"]["scale"]) @ emb.T
+    logits = rmsnorm(out, params["final_norm"]["scale"], eps) @ emb.T
     return logits, stats, norm_out
 
 
@@ -206,10 +208,10 @@ def plain_prenorm_forward(params, tokens_BT, cfg):
 # ----------------------------------------------------------------------------
 
 
-def make_cfg(mode, n_layers=3, block_layers=2, include_partial=True):
+def make_cfg(mode, n_layers=3, block_layers=2, include_partial=True, norm_eps=EPS):
     return model_config(
         vocab_size=64, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
-        dtype="float32", scan_layers=False,
+        dtype="float32", scan_layers=False, norm_eps=norm_eps,
         residual=dict(mode=mode, block_layers=block_layers, include_partial=include_partial),
     )
 
@@ -257,17 +259,19 @@ def production(cfg, params64, toks, **kw):
     return Transformer(cfg).apply({"params": params32}, toks, **kw)
 
 
-def setup(mode, n_layers=3, block_layers=2, include_partial=True, seed=0, random_routers=True):
-    cfg = make_cfg(mode, n_layers, block_layers, include_partial)
+def setup(mode, n_layers=3, block_layers=2, include_partial=True, seed=0, random_routers=True, norm_eps=EPS,
+          embed_scale=1.0):
+    cfg = make_cfg(mode, n_layers, block_layers, include_partial, norm_eps)
     toks = tokens()
     params = redraw(init_params(cfg, toks), seed, random_routers)
+    params["embed"]["embedding"] = embed_scale * params["embed"]["embedding"]
     # The reference sees exactly the float32 values production sees, in float64.
     params = jax.tree.map(lambda x: np.asarray(np.float32(x), np.float64), params)
     return cfg, np.asarray(toks), params
 
 
-def check_against_reference(mode, n_layers, block_layers, include_partial):
-    cfg, toks, params = setup(mode, n_layers, block_layers, include_partial)
+def check_against_reference(mode, n_layers, block_layers, include_partial, **setup_kw):
+    cfg, toks, params = setup(mode, n_layers, block_layers, include_partial, **setup_kw)
     logits, stats = production(cfg, params, toks, return_stats=True)
     ref_logits, ref_stats, _ = reference_forward(params, toks, cfg, mode, block_layers, include_partial)
 
@@ -294,6 +298,21 @@ def test_matches_reference_with_random_routers(mode, n_layers, block_layers):
         routed = ref_stats["n_sources"] > 1
         uniform = 1.0 / ref_stats["n_sources"][routed]
         assert np.max(np.abs(ref_stats["max_weight"][routed] - uniform)) > 0.05
+
+
+@pytest.mark.parametrize("norm_eps", [1e-6, 1e-3])
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_reference_with_small_embedding_at_norm_eps(mode, norm_eps):
+    """An embedding of RMS 1e-2 (slot 0 of every routing; the first sublayer's norm input), where
+    norm_eps matters: production follows the reference at its eps, and a router ignoring it
+    (the other eps in the routers alone) would move the logits far beyond the tolerance."""
+    check_against_reference(mode, 3, 2, True, norm_eps=norm_eps, embed_scale=1e-2)
+    cfg, toks, params = setup(mode, norm_eps=norm_eps, embed_scale=1e-2)
+    assert np.sqrt(np.mean(params["embed"]["embedding"] ** 2)) < 1.1e-2
+    ref_logits = reference_forward(params, toks, cfg, mode, 2, True)[0]
+    if mode != "baseline":
+        other = reference_forward(params, toks, cfg, mode, 2, True, route_eps=1e-3 if norm_eps == 1e-6 else 1e-6)[0]
+        assert np.max(np.abs(other - ref_logits)) > 100 * LOGIT_TOL
 
 
 @pytest.mark.parametrize("mode", BLOCK_MODES)

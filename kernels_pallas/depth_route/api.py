@@ -129,12 +129,14 @@ def _route_bwd(cfg, saved, dout_ND):
 _route.defvjp(_route_fwd, _route_bwd)
 
 
-def depth_route(sources, valid, query, gain, residual=None, *, implementation=None, interpret=False, eps=1e-6):
+def depth_route(sources, valid, query, gain, residual=None, *, implementation=None, interpret=False,
+                eps=routing.NORM_EPS):
     """Route over `sources` [S, B, T, D] (see the module docstring); returns [B, T, D].
 
     implementation: "xla", "pallas_tpu", "pallas_gpu" or None (best for the target platform).
     interpret: run the Pallas kernel in interpret mode (on CPU, for tests): True, or for
       pallas_tpu a `pltpu.InterpretParams()` for the TPU interpret mode.
+    eps: the key norm's, 1 / sqrt(mean(s^2) + eps) (config.model.norm_eps in the model).
     """
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")

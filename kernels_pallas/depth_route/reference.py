@@ -5,6 +5,6 @@ from __future__ import annotations
 from deltares import routing
 
 
-def depth_route(sources, valid, query, gain, residual=None, *, eps=1e-6):
+def depth_route(sources, valid, query, gain, residual=None, *, eps=routing.NORM_EPS):
     """`deltares.routing.depth_route`, returning only the routed output."""
     return routing.depth_route(sources, valid, query, gain, residual, eps=eps)

@@ -80,7 +80,7 @@ class DecoderLayer(nn.Module):
             residual = None if plan.replaces_stream else state.h_BTD
             impl = "xla" if self.return_stats else res.get("impl", "xla")  # statistics need the weights
             router_module = DepthRouter(res.get("gate", False), res.get("null_source", False), impl,
-                                        res.get("interpret", False), name=f"{router}_router")
+                                        res.get("interpret", False), cfg.norm_eps, name=f"{router}_router")
             x_BTD, weights_SBT = router_module(state.sources_SBTD, state.inv_rms_SBT, valid_S, residual)
             if residual is not None:  # single source: no routing, x = h (DESIGN.md section 3)
                 x_BTD = jnp.where(routed, x_BTD, state.h_BTD)

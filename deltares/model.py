@@ -118,7 +118,8 @@ class Transformer(nn.Module):
 
         if plan.replaces_stream:
             res = cfg.residual
-            final_router = DepthRouter(impl=res.get("impl", "xla"), interpret=res.get("interpret", False), name="final_router")
+            final_router = DepthRouter(impl=res.get("impl", "xla"), interpret=res.get("interpret", False),
+                                       eps=cfg.norm_eps, name="final_router")
             out_BTD, _ = final_router(state.sources_SBTD, state.inv_rms_SBT, plan.final_read)
         else:
             out_BTD = state.h_BTD

@@ -178,3 +178,103 @@ def test_block_size_ablation_variants(scale):
         cfg = module.get_config(f"delta_block,block_layers={block_layers}")
         assert cfg.model.residual.block_layers == block_layers
         assert cfg.train.steps == 10_000 and cfg.data.seq_len == 2048
+
+
+# ----------------------------------------------------------------------------- command line
+
+EXPERIMENTS = SCALES + ["finetune_qwen3_0p6b"]
+
+
+def parse_flags(*argv):
+    """`config` as `deltares.train` parses it (ml_collections' config_flags, fresh absl flags)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["train", *argv]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
+    values(argv)
+    return values.config
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale", EXPERIMENTS)
+def test_unset_fields_override_from_the_command_line(scale, mode):
+    path = os.path.join(ROOT, "experiments", f"{scale}.py:{mode}")
+    cfg = parse_flags("--config", path, "--config.data.dataset=data/fineweb", "--config.optim.routing_lr=1e-2")
+    assert cfg.data.dataset == "data/fineweb"
+    assert cfg.optim.routing_lr == 1e-2 and isinstance(cfg.optim.routing_lr, float)
+    default = parse_flags("--config", path)
+    paper = scale in DESIGN_TABLE
+    assert default.data.dataset == (None if paper else "builtin"), "paper scales leave the dataset unset"
+    assert default.optim.routing_lr == (5e-3 if scale.startswith("finetune") else None)
+    with pytest.raises(Exception, match="routing_lr"):
+        parse_flags("--config", path, "--config.optim.routing_lr=fast")
+
+
+def test_unset_routing_lr_means_the_model_lr():
+    import numpy as np
+
+    from deltares.optim import make_optimizer
+
+    params = {"attn_router": {"query": np.zeros(4, np.float32)}, "w": np.zeros((4, 4), np.float32)}
+    for routing_lr, expected in ((None, 3e-3), (1e-2, 1e-2)):
+        cfg = load("debug").get_config("delta_block")
+        if routing_lr is not None:
+            cfg.optim.routing_lr = routing_lr
+        _, schedules = make_optimizer(cfg, params)
+        warm = cfg.optim.warmup_steps
+        assert float(schedules["model"](warm)) == pytest.approx(3e-3)
+        assert float(schedules["routing"](warm)) == pytest.approx(expected)
+
+
+def test_unset_dataset_is_one_clear_error():
+    from deltares.train import TrainError, check_train_config
+
+    cfg = load("s220m").get_config("delta")
+    with pytest.raises(TrainError, match=r"config\.data\.dataset is not set.*--config\.data\.dataset=DIR"):
+        check_train_config(cfg)
+    cfg.data.dataset = "data/fineweb"
+    check_train_config(cfg)
+
+
+# ----------------------------------------------------------------------------- --dry_run
+
+
+def test_dry_run_of_7b6_is_abstract_and_counts_right():
+    from deltares.train import dry_run
+
+    cfg = load("s7b6").get_config("delta_block")
+    cfg.data.dataset = "/nonexistent/fineweb"  # never read
+    r = dry_run(cfg)
+    n = expected_count(cfg.model, "delta_block")
+    assert r["params"] == n
+    assert r["tokens_per_step"] == 64 * 2048
+    # float32 parameters and AdamW's two moments, plus a few scalars (step, Adam's counts)
+    assert 12 * n <= r["state_bytes"] <= 12 * n + 1024
+    assert r["state_bytes_per_device"] == r["state_bytes"] or jax.device_count() > 1
+    assert r["outputs"] == {"grad_norm": "float32[]", "loss": "float32[]"}
+
+
+def test_dry_run_command_reads_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.jax_cache import ENV
+
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "deltares.train", "--config", "experiments/s1044m.py:delta", "--workdir", str(workdir),
+         "--config.data.dataset", str(tmp_path / "missing"), "--config.optim.routing_lr=1e-2", "--dry_run"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dry run of s1044m delta: config valid" in proc.stdout
+    assert f"{expected_count(load('s1044m').get_config('delta').model, 'delta'):,} parameters" in proc.stdout
+    assert "32 x 2048 = 65,536 tokens" in proc.stdout
+    assert not workdir.exists() and not (tmp_path / "missing").exists()
+    bad = subprocess.run(
+        [sys.executable, "-m", "deltares.train", "--config", "experiments/s1044m.py:delta", "--dry_run",
+         "--config.data.dataset=x", "--config.model.n_kv_heads=3"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
+        "error: config.model.n_kv_heads=3 is invalid: must divide n_heads=20")

@@ -1,18 +1,26 @@
-"""Sample text from a trained model with a KV cache, for every residual mode.
+"""Sample text from a trained model with a KV cache, for every residual mode and a batch of prompts.
 
     python -m deltares.generate --checkpoint runs/demo --prompt "Call me Ishmael." \
-        --max_new_tokens 100 --temperature 0.8 --top_k 50 --top_p 0.95
-    python -m deltares.generate --checkpoint /path/to/Qwen3-0.6B --prompt_file prompt.txt --temperature 0
+        --max_new_tokens 100 --min_new_tokens 20 --temperature 0.8 --top_k 50 --top_p 0.95
+    python -m deltares.generate --checkpoint /path/to/Qwen3-0.6B --prompt_file prompts.jsonl --stop "\n" --temperature 0
 
-The prompt is run once through the model (prefill), then one token per step. Depth
-routing is per token, so the cache holds only attention keys and values; the routed
-sources of a new token are computed from that token alone. Stops at end-of-text.
+Prompts of different lengths are right-padded to a bucketed length and run once through
+the model together (prefill; causal attention keeps real tokens off the padding after
+them); then each row decodes one token per step at its own position: the rows are
+vmapped, so each writes its cache slot and attends to slots 0..pos only (padding never,
+RoPE positions from 0). Depth routing is per token, so the cache holds only attention
+keys and values. A row stops at end-of-text or a stop string; the loop ends when all have.
+The compiled prefill and decode are cached per (model, bucketed shapes, sampling
+settings), so calls with other prompts in the same buckets compile nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +31,27 @@ from deltares.inference import load_model
 from deltares.model import init_cache
 
 
+class Sampling(NamedTuple):
+    """Static sampling settings: greedy at temperature 0, else softmax(logits / T) over the
+    `top_k` most likely tokens (0: all) and the smallest set reaching mass `top_p` (1: all)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+class Continuation(NamedTuple):
+    tokens: list[int]  # generated ids: end-of-text excluded, nothing after the token completing a stop string
+    text: str | None  # decoded tokens cut before the first stop string (None without a tokenizer)
+
+
+def bucket(n: int, least: int = 16) -> int:
+    """Padded size of n: the next power of two, at least `least`, so few shapes get compiled."""
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
 def sample_logits(logits_BV, key, temperature: float, top_k: int, top_p: float):
-    """Next tokens [B] from float32 logits: greedy at temperature 0, else softmax(logits / T)
-    restricted to the `top_k` most likely tokens (0: all) and the smallest set of tokens whose
-    probability reaches `top_p` (1: all)."""
+    """Next tokens [B] from float32 logits (see `Sampling`)."""
     if temperature <= 0:
         return jnp.argmax(logits_BV, axis=-1)
     logits_BV = logits_BV / temperature
@@ -44,45 +69,122 @@ def sample_logits(logits_BV, key, temperature: float, top_k: int, top_p: float):
     return jax.random.categorical(key, logits_BV, axis=-1)
 
 
-def generate(model, params, prompt_ids, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, eos_id: int | None = None, num_samples: int = 1, seed: int = 0):
-    """`num_samples` continuations (lists of token ids, end-of-text excluded) of `prompt_ids`."""
-    if not len(prompt_ids):
+def _next(logits_BV, key, sampling: Sampling, eos_id, allow_eos):
+    """Sampled tokens; end-of-text (id `eos_id`, -1: none) is banned unless `allow_eos`."""
+    banned_V = (jnp.arange(logits_BV.shape[-1]) == eos_id) & ~allow_eos
+    return sample_logits(jnp.where(banned_V, -jnp.inf, logits_BV), key, *sampling).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("cache",))
+def _prefill(model, sampling, params, tokens_BP, lengths_B, cache, key, eos_id, allow_eos):
+    """All right-padded prompts at once (pos 0); the first new token of each row, sampled
+    from the logits at its last real token."""
+    logits_BPV, cache = model.apply({"params": params}, tokens_BP, cache=cache, pos=0)
+    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    return _next(last_BV, key, sampling, eos_id, allow_eos), cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("cache",))
+def _decode(model, sampling, params, token_B, cache, pos_B, key, eos_id, allow_eos):
+    """One token per row, row b at position pos_B[b]; the cache is [L, B, S, K, H] (k, v)."""
+
+    def row(token, cache_row, pos):  # a batch of one, so `pos` may differ between rows
+        logits_11V, cache_row = model.apply({"params": params}, token[None, None],
+                                            cache=jax.tree.map(lambda c: c[:, None], cache_row), pos=pos)
+        return logits_11V[0, 0], jax.tree.map(lambda c: c[:, 0], cache_row)
+
+    logits_BV, cache = jax.vmap(row, in_axes=(0, 1, 0), out_axes=(0, 1))(token_B, cache, pos_B)
+    return _next(logits_BV, key, sampling, eos_id, allow_eos), cache
+
+
+def _stop_at(text: str, stop: list[str]) -> int | None:
+    """Index of the earliest stop string in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found) if found else None
+
+
+def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int, min_new_tokens: int = 0,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | None = None,
+             stop: list[str] | None = None, tokenizer=None, num_samples: int = 1,
+             seed: int = 0) -> list[Continuation]:
+    """`num_samples` continuations of each prompt (lists of token ids), prompt-major: those of
+    prompt i are at i * num_samples ... A row ends at end-of-text (`eos_id`, by default the
+    tokenizer's; never among the first `min_new_tokens`, all of them when that exceeds
+    `max_new_tokens`), at any of the `stop` strings (needs
+    `tokenizer`; the text is cut before it, as lm-eval's generate_until expects), or after
+    `max_new_tokens`."""
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
+        raise ValueError("prompts must be a list of token-id lists (a batch), not one list of ids")
+    if not prompts or any(not len(p) for p in prompts):
         raise ValueError("the prompt is empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    P = len(prompt_ids)
-    cache = init_cache(model.config, num_samples, P + max_new_tokens)
-    prompt_BP = jnp.tile(jnp.asarray(prompt_ids, jnp.int32)[None], (num_samples, 1))
-
-    @jax.jit
-    def prefill(params, tokens_BP, cache, key):
-        logits_BPV, cache = model.apply({"params": params}, tokens_BP, cache=cache, pos=0)
-        return sample_logits(logits_BPV[:, -1], key, temperature, top_k, top_p), cache
-
-    @jax.jit
-    def decode(params, token_B, cache, pos, key):
-        logits_B1V, cache = model.apply({"params": params}, token_B[:, None], cache=cache, pos=pos)
-        return sample_logits(logits_B1V[:, 0], key, temperature, top_k, top_p), cache
+    if min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens={min_new_tokens} must be at least 0")
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples} must be at least 1")
+    stop = [s for s in (stop or []) if s]
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+    if eos_id is None and tokenizer is not None:
+        eos_id = tokenizer.eos_id
+    rows = [list(p) for p in prompts for _ in range(num_samples)]
+    B, P = bucket(len(rows), least=1), bucket(max(len(r) for r in rows))
+    S = bucket(max(P, max(len(r) for r in rows) + max_new_tokens - 1))  # the last new token is not fed back
+    tokens_BP = np.zeros((B, P), np.int32)
+    lengths_B = np.ones(B, np.int32)  # rows past the batch: one padding token each, done from the start
+    for b, r in enumerate(rows):
+        tokens_BP[b, : len(r)], lengths_B[b] = r, len(r)
+    sampling = Sampling(float(temperature), int(top_k), float(top_p)) if temperature > 0 else Sampling(0.0)
+    eos = jnp.int32(-1 if eos_id is None else eos_id)
 
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
-    token_B, cache = prefill(params, prompt_BP, cache, keys[0])
-    out = [token_B]
-    done = np.zeros(num_samples, bool)
-    for step in range(1, max_new_tokens):
-        if eos_id is not None:
-            done |= np.asarray(token_B) == eos_id
-            if done.all():
-                break
-        token_B, cache = decode(params, token_B, cache, jnp.int32(P + step - 1), keys[step])
-        out.append(token_B)
-    tokens_BN = np.stack([np.asarray(t) for t in out], axis=1)
-    samples = []
-    for row in tokens_BN.tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id)]
-        samples.append(row)
-    return samples
+    token_B, cache = _prefill(model, sampling, params, tokens_BP, lengths_B, init_cache(model.config, B, S),
+                              keys[0], eos, jnp.bool_(min_new_tokens == 0))
+    out = [[] for _ in rows]
+    text: list[str | None] = [None] * len(rows)
+    done = np.arange(B) >= len(rows)
+    for step in range(max_new_tokens):
+        if step:
+            token_B, cache = _decode(model, sampling, params, token_B, cache, jnp.asarray(lengths_B + step - 1),
+                                     keys[step], eos, jnp.bool_(step >= min_new_tokens))
+        for b, t in enumerate(np.asarray(token_B)[: len(rows)].tolist()):
+            if done[b]:
+                continue
+            if t == eos_id:
+                done[b] = True
+                continue
+            out[b].append(t)
+            if stop:
+                decoded = tokenizer.decode(out[b])
+                cut = _stop_at(decoded, stop)
+                if cut is not None:
+                    done[b], text[b] = True, decoded[:cut]
+        if done.all():
+            break
+    if tokenizer is not None:
+        text = [t if t is not None else tokenizer.decode(o) for t, o in zip(text, out)]
+    return [Continuation(o, t) for o, t in zip(out, text)]
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts of a file: in a `.jsonl` file one JSON string (or object with "prompt") per
+    line, so prompts may hold newlines; in any other file one prompt per non-empty line."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\r\n") for line in f if line.strip()]
+    if not path.endswith(".jsonl"):
+        return lines
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {n} is not JSON: {err}") from None
+        item = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(item, str):
+            raise ValueError(f'{path} line {n}: need a JSON string or an object with a "prompt" string')
+        prompts.append(item)
+    return prompts
 
 
 def main(argv):
@@ -91,39 +193,43 @@ def main(argv):
     if not _CHECKPOINT.value:
         raise app.UsageError("--checkpoint is required")
     if bool(_PROMPT.value) == bool(_PROMPT_FILE.value):
-        sys.exit("error: give exactly one of --prompt or --prompt_file")
+        sys.exit("error: give --prompt (once or more) or --prompt_file, not both")
     try:
-        prompt = _PROMPT.value
-        if _PROMPT_FILE.value:
-            with open(_PROMPT_FILE.value, encoding="utf-8") as f:
-                prompt = f.read()
-        if not prompt.strip():
+        prompts = list(_PROMPT.value or []) or read_prompts(_PROMPT_FILE.value)
+        if not prompts or any(not p.strip() for p in prompts):
             raise ValueError("the prompt is empty")
         loaded = load_model(_CHECKPOINT.value)
-        ids = loaded.tokenizer.encode(prompt)
+        ids = [loaded.tokenizer.encode(p) for p in prompts]
         start = time.perf_counter()
-        samples = generate(loaded.model, loaded.params, ids, max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value,
-                           top_k=_TOP_K.value, top_p=_TOP_P.value, eos_id=loaded.tokenizer.eos_id,
-                           num_samples=_NUM.value, seed=_SEED.value)
+        stop = [s.replace("\\n", "\n").replace("\\t", "\t") for s in _STOP.value or []]  # "\n" typed
+        samples = generate(loaded.model, loaded.params, ids, max_new_tokens=_MAX_NEW.value,
+                           min_new_tokens=_MIN_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
+                           top_p=_TOP_P.value, stop=stop, tokenizer=loaded.tokenizer, num_samples=_NUM.value,
+                           seed=_SEED.value)
     except (OSError, ValueError) as err:
         sys.exit(f"error: {err}")
     elapsed = time.perf_counter() - start
     for i, sample in enumerate(samples):
+        p, s = divmod(i, _NUM.value)
         if len(samples) > 1:
-            print(f"--- sample {i}")
-        print(prompt + loaded.tokenizer.decode(sample))
-    n = sum(len(s) for s in samples)
+            print("---" + (f" prompt {p}" if len(prompts) > 1 else "") + (f" sample {s}" if _NUM.value > 1 else ""))
+        print(prompts[p] + sample.text)
+    n = sum(len(s.tokens) for s in samples)
     print(f"[{n} tokens in {elapsed:.1f} s, compilation included]", file=sys.stderr)
 
 
 if __name__ == "__main__":  # flags only for the command line, so modules import side by side
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run directory, step directory or Hugging Face directory.")
-    _PROMPT = flags.DEFINE_string("prompt", None, "The text to continue.")
-    _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "A file holding the text to continue.")
+    _PROMPT = flags.DEFINE_multi_string("prompt", None, "The text to continue; give it several times for a batch.")
+    _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Prompts, one per line (a .jsonl file: one JSON string "
+                                       'or {"prompt": ...} per line).')
     _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 100, "Tokens to generate at most.")
+    _MIN_NEW = flags.DEFINE_integer("min_new_tokens", 0, "End-of-text is not sampled before this many tokens.")
     _TEMP = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
     _TOP_K = flags.DEFINE_integer("top_k", 50, "Sample among the k most likely tokens (0: all).")
     _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass (1: all).")
-    _NUM = flags.DEFINE_integer("num_samples", 1, "Continuations to sample.")
+    _STOP = flags.DEFINE_multi_string("stop", None, "Stop a continuation at this string (cut from the output); "
+                                      "may be given several times; \\n and \\t are a newline and a tab.")
+    _NUM = flags.DEFINE_integer("num_samples", 1, "Continuations to sample per prompt.")
     _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
     app.run(main)

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Train deltares on a Cloud TPU VM or pod slice: create (or reuse) it, copy this working
 # tree to every worker, install the requirements plus jax[tpu], start the same training
-# command on all workers. See launch/README.md.
+# command on all workers, detached from the SSH session (each worker logs to
+# ~/deltares-logs/NAME.log). The workers find each other with a bare
+# jax.distributed.initialize() (deltares.train); SIGTERM to any of them (--stop, a
+# preemption) makes all save the same step and exit 0. See launch/README.md.
 #
 #   launch/tpu.sh --name NAME --zone ZONE --type v5p-16 \
 #       --config experiments/s7b6.py:delta_block --workdir gs://BUCKET/run [-- --config.key=value ...]
+#   launch/tpu.sh --name NAME --zone ZONE --logs    # follow worker 0's log
+#   launch/tpu.sh --name NAME --zone ZONE --stop    # SIGTERM on every worker: save, exit
 set -euo pipefail
 
 src=${BASH_SOURCE[0]}
@@ -18,11 +23,12 @@ PROJECT=${DELTARES_TPU_PROJECT:-}
 CONFIG=${DELTARES_CONFIG:-}
 WORKDIR=${DELTARES_WORKDIR:-}
 PYTHON=${DELTARES_TPU_PYTHON:-python3.11}
-SPOT=0 DETACH=0 DRY=0 EXTRA=()
+SPOT=0 DRY=0 ACTION=start EXTRA=()
 
 usage() {
   cat <<'EOF'
-Usage: launch/tpu.sh [options] [-- train overrides...]
+Usage: launch/tpu.sh [options] [-- train overrides...]      start training on every worker
+       launch/tpu.sh --name NAME --zone ZONE --logs|--stop
   --name NAME        TPU VM / pod slice name           (env DELTARES_TPU_NAME)     required
   --zone ZONE        e.g. us-east5-a                   (env DELTARES_TPU_ZONE)     required
   --type TYPE        accelerator type, e.g. v5p-8      (env DELTARES_TPU_TYPE)     required
@@ -32,9 +38,11 @@ Usage: launch/tpu.sh [options] [-- train overrides...]
   --project PROJECT  gcloud project (env DELTARES_TPU_PROJECT; default: gcloud's)
   --python PY        Python >= 3.11 on the workers (env DELTARES_TPU_PYTHON; default python3.11)
   --spot             create a Spot TPU
-  --detach           run training in the background (log: ~/deltares-train.log on each worker)
+  --logs             follow worker 0's log (~/deltares-logs/NAME.log); Ctrl-C leaves training running
+  --stop             SIGTERM to the trainer on every worker: all save the same step, then exit
   --dry-run          print every command instead of running it
-Everything after `--` is passed to `python -m deltares.train`.
+Everything after `--` is passed to `python -m deltares.train`. Training runs detached from
+the SSH session, so a dropped connection does not end it.
 EOF
 }
 PROG=tpu.sh
@@ -51,7 +59,8 @@ while (($#)); do
       printf -v "${var^^}" '%s' "$2" # --zone z  ->  ZONE=z
       shift 2 ;;
     --spot) SPOT=1; shift ;;
-    --detach) DETACH=1; shift ;;
+    --logs | --stop) [[ $ACTION == start || $ACTION == "${opt#--}" ]] || die "--logs and --stop exclude each other"
+      ACTION=${opt#--}; shift ;;
     --dry-run) DRY=1; shift ;;
     -h | --help) usage; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -59,13 +68,39 @@ while (($#)); do
   esac
 done
 
+required=(NAME:--name ZONE:--zone)
+[[ $ACTION != start ]] || required+=(TYPE:--type CONFIG:--config WORKDIR:--workdir)
 missing=()
-for pair in NAME:--name ZONE:--zone TYPE:--type CONFIG:--config WORKDIR:--workdir; do
+for pair in "${required[@]}"; do
   var=${pair%%:*}
   [[ -n ${!var} ]] || missing+=("${pair#*:}")
 done
 ((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
 ((DRY)) || command -v gcloud >/dev/null || die "gcloud not found on PATH (install the Google Cloud SDK, or use --dry-run)"
+
+where=(--zone "$ZONE")
+[[ -z $PROJECT ]] || where+=(--project "$PROJECT")
+tpu=(gcloud compute tpus tpu-vm)
+
+# On each worker (commands run in the home directory): the trainer's log and pid files, and a
+# test that sets pid and is true while it names a live trainer (not a recycled pid, nor a zombie
+# where no init reaps it: its command line is empty).
+log=$(quote "deltares-logs/$NAME.log") pidfile=$(quote "deltares-logs/$NAME.pid")
+alive="grep -qa deltares.train /proc/\$pid/cmdline 2>/dev/null"
+running="[ -f $pidfile ] && pid=\$(cat $pidfile) && $alive"
+
+if [[ $ACTION == logs ]]; then
+  run "${tpu[@]}" ssh "$NAME" "${where[@]}" --worker=0 --command "tail -n 200 -F $log"
+  exit
+fi
+if [[ $ACTION == stop ]]; then
+  # SIGTERM is the preemption notice of jax's preemption service: the workers agree on a step,
+  # save it and exit 0. Waits until the trainer is gone, so that the TPU can then be deleted.
+  stop="if $running; then kill -TERM \$pid; echo \"\$(hostname): SIGTERM to \$pid, waiting for it to save and exit\""
+  stop+="; while $alive; do sleep 1; done; echo \"\$(hostname): stopped\"; else echo \"\$(hostname): no training running\"; fi"
+  run "${tpu[@]}" ssh "$NAME" "${where[@]}" --worker=all --command "$stop"
+  exit
+fi
 ((DRY)) || command -v git >/dev/null || die "git not found on PATH (needed to list the files to copy)"
 if [[ -z $VERSION ]]; then
   case $TYPE in
@@ -77,10 +112,6 @@ if [[ -z $VERSION ]]; then
   esac
 fi
 check_config_and_jax_pin
-
-where=(--zone "$ZONE")
-[[ -z $PROJECT ]] || where+=(--project "$PROJECT")
-tpu=(gcloud compute tpus tpu-vm)
 
 # 1. Create the TPU, or reuse it if it exists and is READY.
 if ((DRY)); then
@@ -109,19 +140,24 @@ else
 fi
 run "${tpu[@]}" scp "$TARBALL" "$NAME:deltares.tgz" "${where[@]}" --worker=all
 
-# 3. Unpack and install on every worker: code in ~/deltares, venv in ~/deltares-venv (reused).
+# 3. Unpack and install on every worker: code in ~/deltares, venv in ~/deltares-venv (reused);
+# not under a trainer that is still running.
 py=$(quote "$PYTHON") venv=deltares-venv
-setup="set -e; mkdir -p deltares; tar -xzf deltares.tgz -C deltares; rm -f deltares.tgz"
+setup="set -e; if $running; then echo \"\$(hostname): error: training is still running (pid \$pid); stop it first with launch/tpu.sh --stop\" >&2; exit 1; fi"
+setup+="; mkdir -p deltares; tar -xzf deltares.tgz -C deltares; rm -f deltares.tgz"
 setup+="; [ -x $venv/bin/pip ] || $py -m venv $venv || { sudo apt-get update -q && sudo apt-get install -yq -o DPkg::Lock::Timeout=600 $py-venv && rm -rf $venv && $py -m venv $venv; }"
 setup+="; $venv/bin/pip install -q -U pip; $venv/bin/pip install -q -r deltares/requirements.txt"
 setup+="; $venv/bin/pip install -q $(quote "jax[tpu]==$JAX_VERSION")"
 run "${tpu[@]}" ssh "$NAME" "${where[@]}" --worker=all --command "$setup"
 
-# 4. The same training command on all workers (the trainer joins them into one JAX job).
-train="../$venv/bin/python -m deltares.train $(quote --config "$CONFIG" --workdir "$WORKDIR" "${EXTRA[@]}")"
-if ((DETACH)); then
-  train="cd deltares && nohup $train > ../deltares-train.log 2>&1 < /dev/null &"
-else
-  train="cd deltares && exec $train"
-fi
-run "${tpu[@]}" ssh "$NAME" "${where[@]}" --worker=all --command "$train"
+# 4. The same training command on all workers (the trainer joins them into one JAX job), in a
+# new session (setsid) that ignores the hangup (nohup), its output appended to the log; the
+# shell writes its pid, which exec hands to python, to the pid file.
+# Only that command goes to the background (`&` would take a whole `a && b` list, whose shell
+# then holds the SSH session open until training ends).
+train="exec ../$venv/bin/python -m deltares.train $(quote --config "$CONFIG" --workdir "$WORKDIR" "${EXTRA[@]}")"
+start="set -e; mkdir -p deltares-logs; echo \"== \$(date -u +%FT%TZ) launch/tpu.sh start\" >> $log; cd deltares"
+start+="; setsid nohup bash -c $(quote "echo \$\$ > ../$pidfile; $train") >> ../$log 2>&1 < /dev/null &"
+run "${tpu[@]}" ssh "$NAME" "${where[@]}" --worker=all --command "$start"
+((DRY)) || echo "tpu.sh: training runs detached on every worker of $NAME, logging to ~/deltares-logs/$NAME.log;" \
+  "follow worker 0 with --logs, stop (save and exit) with --stop" >&2

@@ -1,15 +1,20 @@
 """launch/tpu.sh and launch/gpu.sh: the commands they print (--dry-run) and run.
 
 No cloud and no GPU needed: the real (non-dry) paths run against a fake `gcloud` on
-PATH, or a fake venv `python`, that log their arguments.
+PATH, or a fake venv `python`, that log their arguments. With `FAKE_HOME` the fake
+`gcloud` also runs each `ssh --command` in that directory, as one worker would: the
+detached start, the log and pid files and `--stop` run for real there, with a fake
+trainer that saves and exits on SIGTERM.
 """
 
 import os
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import tarfile
+import time
 
 import pytest
 
@@ -51,7 +56,9 @@ def path_without_gcloud(tmp_path_factory):
 
 
 def run(script, args, env=None, cwd=ROOT):
-    return subprocess.run([BASH, script, *args], capture_output=True, text=True, env=env or clean_env(), cwd=cwd)
+    """The script's result; a run that holds its output open (a trainer not detached) times out."""
+    return subprocess.run([BASH, script, *args], capture_output=True, text=True, env=env or clean_env(), cwd=cwd,
+                          timeout=60)
 
 
 def commands(stdout):
@@ -70,9 +77,10 @@ def opt(argv, name):
 
 
 def train_argv(command):
-    """The argv of `python -m deltares.train ...` inside a remote shell command."""
+    """The argv of `python -m deltares.train ...` inside the remote start command (its `bash -c` script)."""
     words = shlex.split(command)
-    return words[words.index("-m") + 1:]
+    inner = shlex.split(words[words.index("-c") + 1])
+    return inner[inner.index("-m") + 1:]
 
 
 def check_one_line_error(res, *needles):
@@ -115,7 +123,11 @@ def test_tpu_dry_run_prints_every_step(path_without_gcloud):
     assert f"jax[tpu]=={jax_pin()}" in shlex.split(install.replace(";", " ; "))
     assert train_argv(train) == ["deltares.train", "--config", "experiments/s7b6.py:delta_block",
                                  "--workdir", "gs://bucket/run", *OVERRIDES]
-    assert train.startswith("cd deltares && exec ")
+    assert "; cd deltares; setsid nohup bash -c " in train  # detached from the SSH session
+    assert train.endswith(" >> ../deltares-logs/run1.log 2>&1 < /dev/null &")
+    words = shlex.split(train)
+    assert words[words.index("-c") + 1].startswith(
+        "echo $$ > ../deltares-logs/run1.pid; exec ../deltares-venv/bin/python -m deltares.train ")
     # The order: create/describe, copy, install, train.
     order = [cmds.index(c) for c in (describe, create, scp, ssh[0], ssh[1])]
     assert order == sorted(order)
@@ -154,11 +166,22 @@ def test_tpu_unknown_type_needs_version():
     assert opt(find(commands(res.stdout), "create"), "--version") == "my-runtime"
 
 
-def test_tpu_detach_runs_in_background():
-    res = run(TPU, ["--dry-run", "--detach", *TPU_ARGS])
-    train = opt([c for c in commands(res.stdout) if "ssh" in c][-1], "--command")
-    assert train.startswith("cd deltares && nohup ") and "> ../deltares-train.log 2>&1 < /dev/null &" in train
-    subprocess.run([BASH, "-n", "-c", train], check=True)
+@pytest.mark.parametrize("action,worker", [("--logs", "--worker=0"), ("--stop", "--worker=all")])
+def test_tpu_logs_and_stop_need_only_name_and_zone(action, worker, path_without_gcloud):
+    res = run(TPU, ["--dry-run", "--name", "run1", "--zone", "us-east5-a", "--project", "p", action],
+              env=clean_env(PATH=path_without_gcloud))
+    assert res.returncode == 0, res.stderr
+    (cmd,) = commands(res.stdout)  # no create, copy or install
+    assert cmd[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "run1"] and worker in cmd
+    assert opt(cmd, "--zone") == "us-east5-a" and opt(cmd, "--project") == "p"
+    remote = opt(cmd, "--command")
+    subprocess.run([BASH, "-n", "-c", remote], check=True)
+    if action == "--logs":
+        assert remote == "tail -n 200 -F deltares-logs/run1.log"
+    else:
+        assert "kill -TERM $pid" in remote and "deltares-logs/run1.pid" in remote
+    check_one_line_error(run(TPU, ["--dry-run", "--name", "run1", action]), "missing", "--zone")
+    check_one_line_error(run(TPU, ["--dry-run", "--name", "run1", "--zone", "z", "--logs", "--stop"]), "exclude")
 
 
 @pytest.mark.parametrize("flag", ["--name", "--zone", "--type", "--config", "--workdir"])
@@ -190,8 +213,17 @@ FAKE_GCLOUD = f"""#!/usr/bin/env bash
 [[ $4 != "${{FAKE_FAIL:-}}" ]] || exit 1
 case "$4" in
   describe) [[ -n ${{FAKE_STATE:-}} ]] || exit 1; echo "$FAKE_STATE" ;;
-  scp) cp "$5" "$FAKE_TARBALL" ;;
+  scp) cp "$5" "$FAKE_TARBALL"; [[ -z ${{FAKE_HOME:-}} ]] || cp "$5" "$FAKE_HOME/deltares.tgz" ;;
+  ssh) [[ -z ${{FAKE_HOME:-}} ]] || {{ cd "$FAKE_HOME" && HOME=$FAKE_HOME bash -c "${{@: -1}}"; }} ;;
 esac
+"""
+# The venv of a fake worker: pip does nothing; "python" is a trainer that logs, then saves and
+# exits 0 on SIGTERM.
+FAKE_PIP = "#!/bin/sh\n"
+FAKE_TRAINER = """#!/usr/bin/env bash
+trap 'echo "fake trainer: SIGTERM, saved"; exit 0' TERM
+echo "fake trainer in $PWD: $*"
+while :; do sleep 0.05; done
 """
 
 
@@ -205,9 +237,10 @@ def fake_gcloud(tmp_path, path_without_gcloud):
     tmpdir.mkdir()
     log, tarball = tmp_path / "gcloud.log", tmp_path / "copied.tgz"
 
-    def launch(*args, state="", fail="none"):
+    def launch(*args, state="", fail="none", home=""):
         env = clean_env(PATH=f"{bindir}{os.pathsep}{path_without_gcloud}", FAKE_LOG=str(log),
-                        FAKE_TARBALL=str(tarball), FAKE_STATE=state, FAKE_FAIL=fail, TMPDIR=str(tmpdir))
+                        FAKE_TARBALL=str(tarball), FAKE_STATE=state, FAKE_FAIL=fail, TMPDIR=str(tmpdir),
+                        FAKE_HOME=str(home))
         res = run(TPU, list(args), env=env, cwd=str(tmp_path))
         calls = [line.split(SEP)[:-1] for line in log.read_text().splitlines()] if log.exists() else []
         assert not os.listdir(tmpdir), "the tarball was not cleaned up"
@@ -255,6 +288,64 @@ def test_tpu_stops_at_a_failing_gcloud_step(fake_gcloud, step):
     res, calls = fake_gcloud(*TPU_ARGS, fail=step)
     assert res.returncode != 0
     assert calls[-1][3] == step and [c[3] for c in calls].count("ssh") <= 1
+
+
+def trainer_alive(pid):
+    """True while `pid` is a running trainer (a zombie, where no init reaps it, has no command line)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"deltares.train" in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_tpu_training_is_detached_logged_and_stopped_on_a_fake_worker(fake_gcloud, tmp_path):
+    home = tmp_path / "home"
+    (home / "deltares-venv" / "bin").mkdir(parents=True)
+    for name, text in (("pip", FAKE_PIP), ("python", FAKE_TRAINER)):
+        (home / "deltares-venv" / "bin" / name).write_text(text)
+        (home / "deltares-venv" / "bin" / name).chmod(0o755)
+    log, pidfile = home / "deltares-logs" / "run1.log", home / "deltares-logs" / "run1.pid"
+    res, _ = fake_gcloud(*TPU_ARGS, "--", *OVERRIDES, state="READY", home=home)
+    assert res.returncode == 0, res.stderr
+    assert "--logs" in res.stderr and "--stop" in res.stderr
+    pid = int(pidfile.read_text())
+    try:
+        # The trainer outlives the SSH command, in a session of its own, deaf to the hangup.
+        assert trainer_alive(pid) and os.getsid(pid) == pid
+        wait_until(lambda: "fake trainer in" in log.read_text())
+        os.kill(pid, signal.SIGHUP)
+        time.sleep(0.3)
+        assert trainer_alive(pid)
+        assert (home / "deltares" / "deltares" / "train.py").exists()
+        text = log.read_text()
+        assert "launch/tpu.sh start" in text.splitlines()[0]
+        assert f"fake trainer in {home / 'deltares'}: -m deltares.train --config experiments/s7b6.py:delta_block" in text
+        assert text.rstrip().endswith(" ".join(OVERRIDES))
+
+        # A second launch refuses to unpack under the running trainer.
+        res, _ = fake_gcloud(*TPU_ARGS, state="READY", home=home)
+        assert res.returncode != 0 and f"training is still running (pid {pid})" in res.stderr
+        assert trainer_alive(pid)
+
+        # --stop: SIGTERM, then waits until the trainer has saved and exited.
+        res, _ = fake_gcloud("--name", "run1", "--zone", "us-east5-a", "--stop", home=home)
+        assert res.returncode == 0, res.stderr
+        assert f"SIGTERM to {pid}" in res.stdout and res.stdout.rstrip().endswith("stopped")
+        assert not trainer_alive(pid)
+        assert log.read_text().rstrip().endswith("fake trainer: SIGTERM, saved")
+        res, _ = fake_gcloud("--name", "run1", "--zone", "us-east5-a", "--stop", home=home)
+        assert res.returncode == 0 and "no training running" in res.stdout
+    finally:
+        if trainer_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- gpu.sh

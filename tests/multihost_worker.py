@@ -1,0 +1,72 @@
+"""`python -m deltares.train ARGS` as tests/test_multihost.py runs it, one process per simulated host,
+recording what the test checks.
+
+The trainer's own `__main__` runs unchanged (flags, `initialize_distributed` from the `JAX_*`
+environment, the loop). Two hooks record, into `$DELTARES_TEST_RECORD` at exit: the local
+rows of every batch the loop takes from the data iterator (one `next` per step) and the step
+of every checkpoint save. `$DELTARES_TEST_STEP_SLEEP` seconds of sleep per step keep the run
+going long enough for a signal to land mid-run.
+"""
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from deltares import checkpoint  # noqa: E402
+from deltares.data import dataset  # noqa: E402
+
+RECORD = os.environ["DELTARES_TEST_RECORD"]
+SLEEP = float(os.environ.get("DELTARES_TEST_STEP_SLEEP", "0"))
+rows, saves = [], []
+
+
+class RecordingIterator:
+    """The trainer's data iterator, keeping a copy of every batch it hands out."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.inner)
+        rows.append(np.asarray(batch).copy())
+        time.sleep(SLEEP)
+        return batch
+
+    def get_state(self):
+        return self.inner.get_state()
+
+    def set_state(self, state):
+        self.inner.set_state(state)
+
+
+def recording_iterator(ds, prefetch=4, _inner=dataset.train_iterator):
+    return RecordingIterator(_inner(ds, prefetch))
+
+
+def recording_save(self, step, *args, _inner=checkpoint.Checkpointer.save):
+    saves.append(int(step))
+    return _inner(self, step, *args)
+
+
+@atexit.register  # before jax's own exit handlers (they were registered first, so they run later)
+def dump():
+    np.save(RECORD + ".npy", np.stack(rows) if rows else np.zeros((0, 0, 0), np.int32))
+    with open(RECORD + ".json", "w") as f:
+        json.dump({"saves": saves, "steps": len(rows)}, f)
+
+
+dataset.train_iterator = recording_iterator  # `deltares.train` imports both names when it runs below
+checkpoint.Checkpointer.save = recording_save
+sys.argv = ["deltares.train", *sys.argv[1:]]
+runpy.run_module("deltares.train", run_name="__main__", alter_sys=True)

@@ -1,0 +1,258 @@
+"""Multi-host for real on one machine: `deltares.train` as 2 processes x 4 CPU devices joined by
+`jax.distributed` (a local coordinator named by `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+`JAX_PROCESS_ID`; gloo collectives across the processes), training `debug` on an fsdp=8 mesh,
+against the same config as one process with 8 devices.
+
+One scenario, run once for the module: the single-process reference runs STEPS steps; the
+2-process run gets SIGTERM on process 1 only after its first steps, so that both processes
+save one agreed step (jax's preemption sync point) and exit 0; the same command restarted on
+both resumes from that checkpoint to STEPS. `tests/multihost_worker.py` records each process's
+batches and saves. Every wait has a deadline: a hung collective fails the test.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from deltares.data.dataset import TokenData
+from deltares.data.prepare import prepare
+from deltares.metrics import read_metrics
+from deltares.train import TrainError, initialize_distributed
+
+from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
+
+WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
+STEPS, SEQ, BATCH, PROCESSES, STATS_EVERY = 20, 32, 8, 2, 5
+SIGNAL_AFTER = 2  # steps process 0 has logged when process 1 gets SIGTERM
+STEP_SLEEP = 0.1  # seconds per step (worker hook): the notice reaches the sync point well before STEPS
+LOSS_ATOL = 1e-5  # float32: gloo sums in another order than one process does (measured: up to 4.8e-7)
+TIMEOUT = 240  # seconds for one run of all processes
+OVERRIDES = [
+    f"--config.data.seq_len={SEQ}", f"--config.train.global_batch={BATCH}", f"--config.train.steps={STEPS}",
+    "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.tensor=1",
+    "--config.train.log_every=1", "--config.train.checkpoint_every=1000", f"--config.train.stats_every={STATS_EVERY}",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(devices: int, record: str, sleep: float, **extra) -> dict:
+    env = {k: v for k, v in ENV.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env.update(
+        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
+        DELTARES_TEST_RECORD=record,
+        DELTARES_TEST_STEP_SLEEP=str(sleep),
+        **extra,
+    )
+    return env
+
+
+class Run:
+    """The processes of one launch of the trainer on `workdir`; output and records under `out`."""
+
+    def __init__(self, dataset, workdir, out, processes):
+        os.makedirs(out, exist_ok=True)
+        self.workdir, self.out, self.deadline = str(workdir), str(out), time.monotonic() + TIMEOUT
+        cmd = [sys.executable, WORKER, "--config", os.path.join(ROOT, "experiments", "debug.py"),
+               "--workdir", self.workdir, f"--config.data.dataset={dataset}", *OVERRIDES]
+        port = free_port()
+        self.procs = []
+        for i in range(processes):
+            cluster = {} if processes == 1 else dict(
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
+            env = process_env(8 // processes, self.path(i, "record"), STEP_SLEEP if processes > 1 else 0, **cluster)
+            with open(self.path(i, "stdout"), "w") as stdout, open(self.path(i, "stderr"), "w") as stderr:
+                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr))
+
+    def path(self, i, what):
+        return os.path.join(self.out, f"{i}.{what}")
+
+    def text(self, i, what):
+        with open(self.path(i, what)) as f:
+            return f.read()
+
+    def describe(self):
+        return "\n".join(f"--- process {i} rc={p.returncode}\n{self.text(i, 'stdout')[-2000:]}\n"
+                         f"{self.text(i, 'stderr')[-3000:]}" for i, p in enumerate(self.procs))
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def logged_steps(self) -> int:
+        """Complete lines of metrics.jsonl (process 0 may be writing the next one)."""
+        path = os.path.join(self.workdir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return 0
+        with open(path) as f:
+            return f.read().count("\n")
+
+    def wait_for_logged_steps(self, n):
+        while self.logged_steps() < n:
+            if time.monotonic() > self.deadline or any(p.poll() is not None for p in self.procs):
+                self.kill()
+                pytest.fail(f"no {n} logged steps while all processes ran\n{self.describe()}")
+            time.sleep(0.1)
+
+    def finish(self):
+        """Waits for every process (killing all at the deadline); returns their records."""
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"the processes did not finish within {TIMEOUT}s (a hung collective?)\n{self.describe()}")
+        for i, p in enumerate(self.procs):
+            assert p.returncode == 0, self.describe()
+        out = []
+        for i in range(len(self.procs)):
+            with open(self.path(i, "record") + ".json") as f:
+                out.append({**json.load(f), "rows": np.load(self.path(i, "record") + ".npy")})
+        return out
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multihost")
+    dataset = tmp / "dataset"
+    prepare("builtin", "bytes", str(dataset), val_fraction=0.05, progress=False)
+    started, runs = time.monotonic(), []
+    try:
+        single = Run(dataset, tmp / "single", tmp / "single-out", 1)
+        first = Run(dataset, tmp / "multi", tmp / "first-out", PROCESSES)  # both at once: mostly waiting
+        runs += [single, first]
+        first.wait_for_logged_steps(SIGNAL_AFTER)
+        first.procs[1].send_signal(signal.SIGTERM)
+        first_records = first.finish()
+        checkpoints_after_first = checkpoint_steps(first.workdir)
+        metrics_after_first = read_metrics(first.workdir)
+        second = Run(dataset, tmp / "multi", tmp / "second-out", PROCESSES)
+        runs.append(second)
+        second_records = second.finish()
+        single_records = single.finish()
+    finally:
+        for run in runs:
+            run.kill()
+    print(f"multihost scenario: {time.monotonic() - started:.1f}s")
+    return dict(
+        dataset=TokenData(str(dataset)), single=single, first=first, second=second,
+        ref=single_records[0], first_records=first_records, second_records=second_records,
+        checkpoints_after_first=checkpoints_after_first, metrics_after_first=metrics_after_first,
+    )
+
+
+@pytest.mark.parametrize("env", [
+    dict(JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0"),
+    dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:1234", JAX_NUM_PROCESSES="two", JAX_PROCESS_ID="0"),
+])
+def test_an_incomplete_cluster_environment_is_a_clear_error(monkeypatch, env):
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(TrainError, match="set JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID"):
+        initialize_distributed()
+
+
+def window_indices(data: TokenData, rows_SBT: np.ndarray) -> np.ndarray:
+    """The training-window index of every row (windows of SEQ + 1 tokens every SEQ tokens)."""
+    tokens = np.asarray(data.tokens("train"))
+    windows = {}
+    for i in range((len(tokens) - 1) // SEQ):
+        windows.setdefault(tokens[i * SEQ : i * SEQ + SEQ + 1].tobytes(), []).append(i)
+    out = np.empty(rows_SBT.shape[:2], np.int64)
+    for s, b in np.ndindex(*out.shape):
+        found = windows[rows_SBT[s, b].astype(tokens.dtype).tobytes()]
+        assert len(found) == 1, "a row that two windows share cannot identify its window"
+        out[s, b] = found[0]
+    return out
+
+
+def checkpoint_steps(workdir) -> list[int]:
+    return sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
+
+
+def saved_step(scenario) -> int:
+    saves = {tuple(r["saves"]) for r in scenario["first_records"]}
+    assert len(saves) == 1, f"the processes saved different steps: {saves}"
+    (steps,) = saves
+    assert len(steps) == 1, steps
+    return steps[0]
+
+
+def test_sigterm_to_one_process_saves_the_same_step_on_both_and_exits_0(scenario):
+    step = saved_step(scenario)  # finish() asserted exit code 0 for both
+    assert SIGNAL_AFTER <= step < STEPS
+    assert [r["steps"] for r in scenario["first_records"]] == [step] * PROCESSES  # each ran exactly to it
+    assert scenario["checkpoints_after_first"] == [step]
+    assert f"SIGTERM: saved step {step} " in scenario["first"].text(0, "stdout")
+
+
+def test_each_process_reads_its_own_rows_of_every_global_batch(scenario):
+    data, step = scenario["dataset"], saved_step(scenario)
+    ref = window_indices(data, scenario["ref"]["rows"])
+    assert ref.shape == (STEPS, BATCH)
+    for records, steps in ((scenario["first_records"], range(0, step)), (scenario["second_records"], range(step, STEPS))):
+        local = [window_indices(data, r["rows"]) for r in records]
+        for p in local:
+            assert p.shape == (len(steps), BATCH // PROCESSES)
+        for k, s in enumerate(steps):
+            assert not set(local[0][k]) & set(local[1][k]), f"step {s + 1}: both processes read a row"
+            assert sorted(np.concatenate([p[k] for p in local])) == sorted(ref[s]), f"step {s + 1}"
+
+
+def test_losses_equal_the_single_process_run_before_and_after_the_resume(scenario):
+    step = saved_step(scenario)
+    ref = {r["step"]: r["loss"] for r in read_metrics(scenario["single"].workdir)}
+    first = {r["step"]: r["loss"] for r in scenario["metrics_after_first"]}
+    final = {r["step"]: r["loss"] for r in read_metrics(scenario["second"].workdir)}
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert sorted(first) == list(range(1, step + 1))
+    assert sorted(final) == list(range(1, STEPS + 1))
+    for got in (first, final):
+        steps = sorted(got)
+        np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=0, atol=LOSS_ATOL)
+    assert all(final[s] == first[s] for s in first)  # the resumed run kept the first run's records
+
+
+def test_routing_statistics_equal_the_single_process_run(scenario):
+    """The statistics step sees the global batch too (not process 0's rows as if they were all)."""
+    ref = {r["step"]: r for r in read_metrics(scenario["single"].workdir)}
+    got = [r for r in read_metrics(scenario["second"].workdir) if "routing_max_weight" in r]
+    assert [r["step"] for r in got] == list(range(STATS_EVERY, STEPS + 1, STATS_EVERY))
+    for r in got:
+        for key in ("routing_max_weight", "routing_entropy"):  # rounded to 4 decimals: one unit apart at most
+            np.testing.assert_allclose(r[key], ref[r["step"]][key], rtol=0, atol=1.2e-4, err_msg=f"{key} {r['step']}")
+
+
+def test_restart_restores_the_checkpoint_on_both_processes_and_finishes(scenario):
+    step = saved_step(scenario)
+    for r in scenario["second_records"]:
+        assert r["saves"] == [STEPS] and r["steps"] == STEPS - step
+    assert checkpoint_steps(scenario["second"].workdir) == [step, STEPS]
+    assert f"resumed {scenario['second'].workdir} from step {step}" in scenario["second"].text(0, "stderr")
+
+
+def test_progress_and_summaries_on_process_0_only(scenario):
+    bar = re.compile(r"train:\s+\d+%\|")
+    for run, summary in ((scenario["first"], "SIGTERM: saved step"), (scenario["second"], f"step {STEPS}: validation loss")):
+        assert bar.search(run.text(0, "stderr")) and summary in run.text(0, "stdout")
+        assert not bar.search(run.text(1, "stderr")), run.text(1, "stderr")[-2000:]
+        ours = [line for line in run.text(1, "stdout").splitlines() if not line.startswith("[Gloo] ")]
+        assert ours == [], ours  # gloo's own connection lines are on every process
+        assert "resumed" not in run.text(1, "stderr")

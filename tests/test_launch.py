@@ -314,10 +314,11 @@ def test_tpu_training_is_detached_logged_and_stopped_on_a_fake_worker(fake_gclou
         (home / "deltares-venv" / "bin" / name).chmod(0o755)
     log, pidfile = home / "deltares-logs" / "run1.log", home / "deltares-logs" / "run1.pid"
     res, _ = fake_gcloud(*TPU_ARGS, "--", *OVERRIDES, state="READY", home=home)
-    assert res.returncode == 0, res.stderr
-    assert "--logs" in res.stderr and "--stop" in res.stderr
-    pid = int(pidfile.read_text())
     try:
+        assert res.returncode == 0, res.stderr
+        assert "--logs" in res.stderr and "--stop" in res.stderr
+        wait_until(lambda: pidfile.exists() and pidfile.read_text().strip())  # written by the detached shell
+        pid = int(pidfile.read_text())
         # The trainer outlives the SSH command, in a session of its own, deaf to the hangup.
         assert trainer_alive(pid) and os.getsid(pid) == pid
         wait_until(lambda: "fake trainer in" in log.read_text())
@@ -343,8 +344,11 @@ def test_tpu_training_is_detached_logged_and_stopped_on_a_fake_worker(fake_gclou
         assert log.read_text().rstrip().endswith("fake trainer: SIGTERM, saved")
         res, _ = fake_gcloud("--name", "run1", "--zone", "us-east5-a", "--stop", home=home)
         assert res.returncode == 0 and "no training running" in res.stdout
-    finally:
-        if trainer_alive(pid):
+    finally:  # a failed test must not leave a trainer behind
+        deadline = time.monotonic() + 5
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pidfile.exists() and trainer_alive(pid := int(pidfile.read_text() or 0)):
             os.kill(pid, signal.SIGKILL)
 
 

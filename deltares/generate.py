@@ -69,9 +69,11 @@ def sample_logits(logits_BV, key, temperature: float, top_k: int, top_p: float):
     return jax.random.categorical(key, logits_BV, axis=-1)
 
 
-def _next(logits_BV, key, sampling: Sampling, eos_id, allow_eos):
-    """Sampled tokens; end-of-text (id `eos_id`, -1: none) is banned unless `allow_eos`."""
+def _next(logits_BV, key, step, sampling: Sampling, eos_id, allow_eos):
+    """Sampled tokens of new-token `step` (its key folded in here, so no call compiles a
+    split of its own length); end-of-text (id `eos_id`, -1: none) is banned unless `allow_eos`."""
     banned_V = (jnp.arange(logits_BV.shape[-1]) == eos_id) & ~allow_eos
+    key = jax.random.fold_in(key, step)
     return sample_logits(jnp.where(banned_V, -jnp.inf, logits_BV), key, *sampling).astype(jnp.int32)
 
 
@@ -81,11 +83,11 @@ def _prefill(model, sampling, params, tokens_BP, lengths_B, cache, key, eos_id, 
     from the logits at its last real token."""
     logits_BPV, cache = model.apply({"params": params}, tokens_BP, cache=cache, pos=0)
     last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return _next(last_BV, key, sampling, eos_id, allow_eos), cache
+    return _next(last_BV, key, 0, sampling, eos_id, allow_eos), cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("cache",))
-def _decode(model, sampling, params, token_B, cache, pos_B, key, eos_id, allow_eos):
+def _decode(model, sampling, params, token_B, cache, pos_B, key, step, eos_id, allow_eos):
     """One token per row, row b at position pos_B[b]; the cache is [L, B, S, K, H] (k, v)."""
 
     def row(token, cache_row, pos):  # a batch of one, so `pos` may differ between rows
@@ -94,7 +96,7 @@ def _decode(model, sampling, params, token_B, cache, pos_B, key, eos_id, allow_e
         return logits_11V[0, 0], jax.tree.map(lambda c: c[:, 0], cache_row)
 
     logits_BV, cache = jax.vmap(row, in_axes=(0, 1, 0), out_axes=(0, 1))(token_B, cache, pos_B)
-    return _next(logits_BV, key, sampling, eos_id, allow_eos), cache
+    return _next(logits_BV, key, step, sampling, eos_id, allow_eos), cache
 
 
 def _stop_at(text: str, stop: list[str]) -> int | None:
@@ -138,16 +140,16 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int, mi
     sampling = Sampling(float(temperature), int(top_k), float(top_p)) if temperature > 0 else Sampling(0.0)
     eos = jnp.int32(-1 if eos_id is None else eos_id)
 
-    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    key = jax.random.key(seed)
     token_B, cache = _prefill(model, sampling, params, tokens_BP, lengths_B, init_cache(model.config, B, S),
-                              keys[0], eos, jnp.bool_(min_new_tokens == 0))
+                              key, eos, jnp.bool_(min_new_tokens == 0))
     out = [[] for _ in rows]
     text: list[str | None] = [None] * len(rows)
     done = np.arange(B) >= len(rows)
     for step in range(max_new_tokens):
         if step:
             token_B, cache = _decode(model, sampling, params, token_B, cache, jnp.asarray(lengths_B + step - 1),
-                                     keys[step], eos, jnp.bool_(step >= min_new_tokens))
+                                     key, jnp.int32(step), eos, jnp.bool_(step >= min_new_tokens))
         for b, t in enumerate(np.asarray(token_B)[: len(rows)].tolist()):
             if done[b]:
                 continue

@@ -130,24 +130,26 @@ def test_no_recompilation_within_a_bucket():
     lowered = []
 
     def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":  # every lowering, even on a disk-cache hit
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":  # each lowering, even on a disk-cache hit
             lowered.append(kwargs.get("fun_name"))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
+        settings = dict(max_new_tokens=5, temperature=0.7, top_k=10, top_p=0.9)
         calls = [([[1, 2, 3], [4]], {}), ([[5, 6, 7, 8, 9, 10, 11], [2, 2]], dict(seed=3)),
-                 ([[9] * 12, [3, 1, 4, 1, 5]], dict(min_new_tokens=2, eos_id=7))]  # prompt lengths 1..12: bucket 16
-        counts = []
+                 ([[9] * 12, [3, 1, 4, 1, 5]], dict(min_new_tokens=2, eos_id=7)),
+                 ([[4, 4], [1]], dict(max_new_tokens=3))]
+        counts = []  # prompt lengths 1..12 (bucket 16), the cache within 16 (12 + 5 - 1): one set of shapes
         for prompts, kw in calls:
             before = len(lowered)
-            generate(model, params, prompts, max_new_tokens=5, temperature=0.7, top_k=10, top_p=0.9, **kw)
+            generate(model, params, prompts, **{**settings, **kw})
             counts.append(len(lowered) - before)
         before = len(lowered)
-        generate(model, params, [[1] * 20, [2]], max_new_tokens=5, temperature=0.7, top_k=10, top_p=0.9)  # next bucket
+        generate(model, params, [[1] * 20, [2]], **settings)  # the next length bucket
         longer = len(lowered) - before
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert counts[0] >= 2 and counts[1:] == [0, 0], (counts, lowered)
+    assert counts[0] >= 2 and counts[1:] == [0, 0, 0], (counts, lowered)
     assert longer >= 2  # the counter sees compilations: a prompt of 20 tokens is in the next length bucket
 
 

@@ -81,9 +81,8 @@ def _next(logits_BV, key, step, sampling: Sampling, eos_id, allow_eos):
 def _prefill(model, sampling, params, tokens_BP, lengths_B, cache, key, eos_id, allow_eos):
     """All right-padded prompts at once (pos 0); the first new token of each row, sampled
     from the logits at its last real token."""
-    logits_BPV, cache = model.apply({"params": params}, tokens_BP, cache=cache, pos=0)
-    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return _next(last_BV, key, 0, sampling, eos_id, allow_eos), cache
+    logits_B1V, cache = model.apply({"params": params}, tokens_BP, cache=cache, pos=0, logits_at=lengths_B - 1)
+    return _next(logits_B1V[:, 0], key, 0, sampling, eos_id, allow_eos), cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("cache",))

@@ -81,12 +81,14 @@ class Transformer(nn.Module):
         return state, stats, cache
 
     @nn.compact
-    def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0):
+    def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None):
         """Logits [B, T, V] (float32), and routing stats with `return_stats`.
 
         Decoding: with `cache` (from `init_cache`) the tokens sit at positions pos..pos+T-1
         after the cached ones, and the call returns (logits, new cache). Routing is per
-        token, so only attention needs a cache; every residual mode decodes the same way."""
+        token, so only attention needs a cache; every residual mode decodes the same way.
+        `logits_at` [B] (prefilling right-padded prompts): logits [B, 1, V] of one position
+        per row only, so the head never runs over the whole prompt."""
         cfg = self.config
         if cache is not None and return_stats:
             raise ValueError("return_stats is not available while decoding with a cache")
@@ -123,6 +125,8 @@ class Transformer(nn.Module):
             out_BTD, _ = final_router(state.sources_SBTD, state.inv_rms_SBT, plan.final_read)
         else:
             out_BTD = state.h_BTD
+        if logits_at is not None:
+            out_BTD = jnp.take_along_axis(out_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
         x_BTD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(out_BTD)
         if cfg.tie_embeddings:
             logits_BTV = embed.attend(x_BTD)

@@ -23,12 +23,18 @@ Tensor names (per layer i; `[out, in]` matrices as in PyTorch):
 | layers_i/{attn,mlp}_router/null_source [D] | model.layers.i.{attn,mlp}_null_source [D] |
 | final_router/{query,gain} (Kimi modes) | model.final_res_proj.weight [1, D], model.final_res_norm.weight |
 
-The routing names are those of the authors' released PyTorch model; the gate is
+The routing names are those of the authors' released PyTorch model (which checkpoints
+move between the two code bases, per mode: README, "Pretrained Qwen3"); the gate is
 deltares' exact-conversion gate (DESIGN.md section 3). With scanned layers
 (`scan_layers`), `layers/...` holds all layers stacked on a leading axis.
 `config.json` is Qwen3's plus `residual_mode`, `residual_block_layers`,
-`residual_include_partial`, `residual_gate` and `residual_null_source`; the
-architecture is `Qwen3ForCausalLM` for baseline and `DeltaResQwen3ForCausalLM` otherwise.
+`residual_include_partial`, `residual_gate` and `residual_null_source`. Baseline exports
+are plain Qwen3 (`model_type: qwen3`, `Qwen3ForCausalLM`). Routed exports are
+`model_type: deltares_qwen3`, `DeltaResQwen3ForCausalLM`, with an `auto_map` to the
+PyTorch model in deltares/hf_remote/ (copied into the export directory), so
+`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` computes the routed
+function and `transformers` refuses them without `trust_remote_code`; a directory the
+PyTorch model wrote with `save_pretrained` reads back here.
 
 Converting a baseline checkpoint into `delta` or `delta_block` adds a zero gate on
 every routed term by default, so the converted model computes exactly the
@@ -55,6 +61,13 @@ from deltares.safetensors_io import SafetensorsError, SafetensorsFile, write
 from deltares.steps import abstract_params
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "DeltaResQwen3ForCausalLM")
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "DeltaResQwen3ForCausalLM": "deltares_qwen3"}
+REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_remote")
+REMOTE_FILES = ("configuration_deltares_qwen3.py", "modeling_deltares_qwen3.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_deltares_qwen3.DeltaResQwen3Config",
+    "AutoModelForCausalLM": "modeling_deltares_qwen3.DeltaResQwen3ForCausalLM",
+}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 RESIDUAL_KEYS = ("mode", "block_layers", "include_partial", "gate", "null_source")
@@ -165,10 +178,11 @@ def read_hf_config(path: str) -> dict:
     except (OSError, ValueError) as err:
         raise HFError(f"{file}: not readable JSON ({err})") from None
     arch = hf.get("architectures") or []
-    if hf.get("model_type") != "qwen3" or not set(arch) & set(ARCHITECTURES):
+    # Routed exports before deltares_qwen3 said model_type qwen3 with the routed architecture.
+    if hf.get("model_type") not in set(MODEL_TYPES.values()) or not set(arch) & set(ARCHITECTURES):
         raise HFError(
             f"{file}: model_type {hf.get('model_type')!r}, architectures {arch}: only Qwen3 "
-            f"({', '.join(ARCHITECTURES)}) is supported"
+            f"({', '.join(f'{t} {a}' for a, t in MODEL_TYPES.items())}) is supported"
         )
     unsupported = {
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
@@ -251,11 +265,15 @@ ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "he
 def hf_config(cfg, dtype: str, template: dict | None = None) -> dict:
     """config.json for `config.model` `cfg`: `template` (e.g. the source's) updated with its fields."""
     res = cfg.residual
+    arch = ARCHITECTURES[0] if res.mode == "baseline" else ARCHITECTURES[1]
     out = dict(template or {})
-    out.pop("rope_scaling", None)
+    for stale in ("rope_scaling", "auto_map"):
+        out.pop(stale, None)
+    if res.mode != "baseline":
+        out["auto_map"] = dict(AUTO_MAP)
     out.update(
-        architectures=[ARCHITECTURES[0] if res.mode == "baseline" else ARCHITECTURES[1]],
-        model_type="qwen3",
+        architectures=[arch],
+        model_type=MODEL_TYPES[arch],
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         intermediate_size=cfg.d_ff,
@@ -473,6 +491,11 @@ def to_hf(cfg, params, path: str, *, dtype: str = "float32", tokenizer: str | No
             json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config(cfg, dtype, template), f, indent=2)
+    for file in REMOTE_FILES:  # the PyTorch model of routed exports; baseline is transformers' own Qwen3
+        if cfg.residual.mode != "baseline":
+            shutil.copyfile(os.path.join(REMOTE_DIR, file), os.path.join(path, file))
+        elif os.path.exists(os.path.join(path, file)):
+            os.remove(os.path.join(path, file))
     if tokenizer_file:
         shutil.copyfile(tokenizer_file, os.path.join(path, "tokenizer.json"))
         extra_file = os.path.join(os.path.dirname(tokenizer_file), "tokenizer_config.json")

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import flags
 
 from deltares.checkpoint import load_checkpoint
 from deltares.config import BLOCK_MODES, REPLACEMENT_MODES
@@ -426,9 +427,10 @@ def main(argv):
     print(f"wrote routing.json and {len(report['figures'])} figures into {report['out']}")
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
-    from absl import app, flags
-
+def cli() -> None:
+    """The command line (`python -m deltares.analyze`, `deltares-analyze`); flags only here, so modules
+    import side by side."""
+    global _WORKDIR, _CHECKPOINT, _DATA, _OUT, _BATCH, _MAX_BATCHES
     _WORKDIR = flags.DEFINE_multi_string("workdir", None, "A run directory (newest checkpoint); repeat for more runs.")
     _CHECKPOINT = flags.DEFINE_multi_string("checkpoint", None, "A workdir or one checkpoint step directory; repeatable.")
     _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory or a text file (default: each run's "
@@ -436,4 +438,10 @@ if __name__ == "__main__":  # flags only for the command line, so modules import
     _OUT = flags.DEFINE_string("out", None, "Output directory (default: <first run>/analysis).")
     _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per batch.")
     _MAX_BATCHES = flags.DEFINE_integer("max_batches", 8, "Batches of the validation sample.")
-    app.run(main)
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -34,28 +34,21 @@ A program that does not fit is no error: the compiler's RESOURCE_EXHAUSTED is re
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
+import sys
+import time
 
-# libtpu is used only as a compiler here: never touch TPU hardware, skip the cloud metadata
-# queries, and allow several compiling processes at once (libtpu otherwise takes a
-# machine-wide lock file). Set before jax (and with it libtpu) is loaded.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import flags, logging
+from ml_collections import config_flags
 
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-from deltares.memory import compiled_bytes  # noqa: E402
+from deltares import entry
+from deltares.memory import compiled_bytes
 
 GIB = 2**30
 
@@ -111,11 +104,22 @@ def _accelerator_type(generation: str, dims: tuple[int, ...]) -> str:
     return ""
 
 
+def _libtpu_as_compiler(accelerator_type: str) -> None:
+    """libtpu is used only as a compiler here: skip the cloud metadata queries, name the slice
+    (silences a warning), and allow several compiling processes at once (libtpu otherwise takes
+    a machine-wide lock file). Set when aot needs libtpu, before libtpu initialises; values
+    already set are kept."""
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if accelerator_type:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type)
+
+
 def topology_devices(name: str) -> list:
     """Compile-only devices of the TPU topology `name` (no TPU needed)."""
     generation, dims = parse_topology(name)
-    if "TPU_ACCELERATOR_TYPE" not in os.environ and _accelerator_type(generation, dims):
-        os.environ["TPU_ACCELERATOR_TYPE"] = _accelerator_type(generation, dims)
+    _libtpu_as_compiler(_accelerator_type(generation, dims))
     from jax.experimental import topologies
 
     kwargs = dict(
@@ -128,7 +132,7 @@ def topology_devices(name: str) -> list:
     except RuntimeError as err:  # JaxRuntimeError from libtpu, or "JAX TPU support not installed"
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if "not installed" in message:
-            message += " (pip install the libtpu pinned in requirements.txt)"
+            message += " (pip install 'deltares[tpu]', or the libtpu pinned in requirements.txt)"
         raise AotError(f"--topology={name!r}: {message}. Examples: {EXAMPLE_TOPOLOGIES}") from None
 
 
@@ -442,11 +446,21 @@ def main(argv):
     sys.exit(0 if report["fits"] else 1)
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block.")
+def cli() -> None:
+    """The command line (`python -m deltares.aot`, `deltares-aot`); flags only here, so modules import side by side."""
+    global _CONFIG, _TOPOLOGY, _MESH, _JSON
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block (or a shipped one by name: s7b6:delta_block)."
+    )
     _TOPOLOGY = flags.DEFINE_string("topology", None, f"TPU topology, e.g. {EXAMPLE_TOPOLOGIES}.")
     _MESH = flags.DEFINE_string(
         "mesh", None, "DATA,FSDP,TENSOR mesh sizes (one may be -1); default config.mesh, else fsdp over all devices."
     )
     _JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
-    app.run(main)
+    if "JAX_PLATFORMS" not in os.environ:  # never touch TPU hardware: the step runs on compile-only devices
+        jax.config.update("jax_platforms", "cpu")
+    entry.run(main, quiet_libtpu=False)  # libtpu is set up as a compiler (topology_devices)
+
+
+if __name__ == "__main__":
+    cli()

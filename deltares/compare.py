@@ -18,6 +18,8 @@ import os
 import statistics
 import sys
 
+from absl import flags
+
 from deltares.analyze import AnalysisError
 from deltares.metrics import read_metrics
 from deltares.checkpoint import load_checkpoint
@@ -149,8 +151,15 @@ def main(argv):
             f.write(table + "\n")
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
-    from absl import app, flags
-
+def cli() -> None:
+    """The command line (`python -m deltares.compare`, `deltares-compare`); flags only here, so modules
+    import side by side."""
+    global _OUT
     _OUT = flags.DEFINE_string("out", None, "Also write the table to this markdown file.")
-    app.run(main)
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

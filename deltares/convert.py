@@ -104,7 +104,10 @@ def main(argv):
         sys.exit(f"error: {err}")
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+def cli() -> None:
+    """The command line (`python -m deltares.convert`, `deltares-convert`); flags only here, so modules
+    import side by side."""
+    global _HF, _CHECKPOINT, _OUT, _OUT_WORKDIR, _MODE, _BLOCK_LAYERS, _GATE, _NULL_SOURCE, _DTYPE, _TOKENIZER
     _HF = flags.DEFINE_string("hf", None, "A Hugging Face Qwen3 checkpoint directory to read.")
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A deltares run directory (or step directory) to export.")
     _OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
@@ -115,4 +118,10 @@ if __name__ == "__main__":  # flags only for the command line, so modules import
     _NULL_SOURCE = flags.DEFINE_bool("null_source", False, "Add the paper's learned null source to every routing.")
     _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) to write with --checkpoint.")
-    app.run(main)
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

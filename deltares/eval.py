@@ -136,11 +136,20 @@ def main(argv):
     print(f"step {m['step']}: loss {m['val_loss']:.4f}  perplexity {m['val_ppl']:.2f}  bits/byte {m['val_bpb']:.4f}")
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+def cli() -> None:
+    """The command line (`python -m deltares.eval`, `deltares-eval`); flags only here, so modules
+    import side by side."""
+    global _CHECKPOINT, _DATA, _BATCH, _MAX_BATCHES
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
     _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or text files, .gz, globs "
                                 "(comma-separated), as prepare's --source.")
     _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per evaluation batch.")
     _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Score only the first N batches of the trainer's "
                                         "validation windows (bits per byte at the mean bytes per token).")
-    app.run(main)
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -19,8 +19,14 @@ Paper (average accuracy over 8 tasks after fine-tuning Qwen3-0.6B): plain fine-t
 Delta AttnRes 55.6%.
 """
 
+import os
+import runpy
+
 from deltares.configs import experiment
-from experiments.qwen3_0p6b import MODEL
+
+# The pretrained shape, read from the file beside this one (not imported as `experiments.`: experiment
+# files load from any directory, and installed they live in the package, see deltares.entry).
+MODEL = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_0p6b.py"))["MODEL"]
 
 RECIPE = dict(
     data=dict(dataset="builtin", tokenizer="init_from_hf", seq_len=2048),

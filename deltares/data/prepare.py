@@ -270,7 +270,10 @@ def main(argv):
     print(json.dumps(meta["splits"]), "->", os.path.abspath(_OUT.value))
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+def cli() -> None:
+    """The command line (`python -m deltares.data.prepare`, `deltares-prepare`); flags only here, so modules
+    import side by side."""
+    global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _HF_FIELD, _MAX_DOCS
     _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text files or globs (comma-separated), or hf:NAME.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
     _OUT = flags.DEFINE_string("out", None, "Output directory.")
@@ -279,4 +282,10 @@ if __name__ == "__main__":  # flags only for the command line, so modules import
     _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to stream.")
     _HF_FIELD = flags.DEFINE_string("hf_field", "text", "Record field holding the text.")
     _MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Stop after this many documents.")
-    app.run(main)
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,211 @@
+"""The package installs from a wheel and works outside the repository; importing it changes nothing.
+
+`test_wheel_installs_and_runs_outside_the_repository` builds a wheel from the checkout and installs
+it, without dependencies, into a fresh virtual environment whose only other packages are this
+environment's (a `.pth` file names this environment's site-packages, so jax & co. are not
+reinstalled). That still proves the package installs: the package's own files come only from the
+wheel (the test checks that `deltares.__file__` lies inside the new environment), they are used
+from a directory outside the repository with nothing of the checkout on the path, and the declared
+dependencies are checked separately (`test_declared_dependencies_resolve_to_the_pins`: pip resolves
+them, offline, against requirements.txt's pins).
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+import zipfile
+
+import pytest
+
+from deltares import entry
+from tests.jax_cache import CACHE, ROOT
+
+PACKAGE_INPUTS = ("pyproject.toml", "setup.py", "README.md", "deltares", "kernels_pallas", "experiments")
+# Set by deltares/__init__.py (TPU_*) and deltares/aot.py (all four) on import before they left it.
+TOOL_VARIABLES = ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES",
+                  "ALLOW_MULTIPLE_LIBTPU_LOAD")
+
+
+def _env(**extra) -> dict:
+    """This process's environment without the checkout on the path and without the variables the
+    tools set, plus the shared compilation cache."""
+    env = {k: v for k, v in os.environ.items() if k not in TOOL_VARIABLES + ("PYTHONPATH",)}
+    if entry.tpu_chips_present():
+        env["JAX_PLATFORMS"] = "cpu"  # keep the tests off the chips; libtpu is quiet on a TPU machine anyway
+    env.update(JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", **extra)
+    return env
+
+
+def _run(cmd, cwd, env, timeout=600, status=0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == status, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _package_files(directory: str) -> set[str]:
+    """Files under `directory` (relative to it), without bytecode."""
+    out = set()
+    for base, dirs, files in os.walk(directory):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out |= {os.path.relpath(os.path.join(base, f), directory) for f in files if not f.endswith((".pyc", ".pyo"))}
+    return out
+
+
+def _can_build_wheels_here() -> bool:
+    """Whether this environment's setuptools builds wheels (itself from 70.1, else with `wheel`)."""
+    if importlib.util.find_spec("setuptools") is None:
+        return False
+    return bool(importlib.util.find_spec("setuptools.command.bdist_wheel") or importlib.util.find_spec("wheel"))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> str:
+    """A wheel built from a copy of the checkout's package inputs (no build/ or egg-info left in the checkout)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in PACKAGE_INPUTS:
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, src / name)
+    isolation = ["--no-build-isolation"] if _can_build_wheels_here() else []  # else pip fetches setuptools
+    start = time.perf_counter()
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp / "dist"), str(src)],
+         cwd=tmp, env=_env())
+    print(f"wheel built in {time.perf_counter() - start:.1f} s")
+    (built,) = (tmp / "dist").glob("deltares-*.whl")
+    return str(built)
+
+
+def test_wheel_holds_every_package_file_and_the_experiments(wheel):
+    """Every file under deltares/ and kernels_pallas/ (modules, the corpus, the tokenizer, remote-code
+    templates, anything added later) and every experiment file (as deltares/experiments/) ships."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for package in ("deltares", "kernels_pallas"):
+        missing = {f for f in _package_files(os.path.join(ROOT, package)) if f"{package}/{f}" not in names}
+        assert not missing, f"not in the wheel: {sorted(missing)}"
+    experiments = {f for f in _package_files(os.path.join(ROOT, "experiments")) if f.endswith(".py")}
+    assert experiments and {f"deltares/experiments/{f}" for f in experiments} <= names
+    assert {"deltares/data/assets/mobydick.txt.gz", "deltares/data/assets/gpt2_tokenizer.json.gz"} <= names
+    assert not [n for n in names if "__pycache__" in n or n.startswith(("tests/", "experiments/"))]
+    metadata = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    scripts = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "deltares-train = deltares.train:cli" in scripts and "deltares-harness = deltares.harness:main" in scripts
+
+
+def test_declared_dependencies_resolve_to_the_pins(wheel):
+    """pip resolves the wheel with every extra, constrained to requirements.txt's pins (and the test
+    pins), from the installed packages alone (--no-index): a declared range that excluded a pin would
+    need a download and fail; nothing but deltares itself would be installed."""
+    proc = _run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet", "--report", "-",
+                 f"{wheel}[test]", "-c", os.path.join(ROOT, "requirements.txt"),
+                 "-c", os.path.join(ROOT, "requirements-test.txt")], cwd=os.path.dirname(wheel), env=_env())
+    report = json.loads(proc.stdout)
+    assert [item["metadata"]["name"] for item in report["install"]] == ["deltares"]
+
+
+def test_wheel_installs_and_runs_outside_the_repository(wheel, tmp_path):
+    start = time.perf_counter()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site_dir = sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)})
+    ours = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}  # jax & co. (and pip)
+    with open(os.path.join(site_dir, "_dependencies.pth"), "w") as f:
+        f.write("\n".join(sorted(ours)) + "\n")
+    python = str(venv / "bin" / "python")
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel],
+         cwd=tmp_path, env=_env())
+    work = tmp_path / "elsewhere"  # no experiments/, no deltares/ here
+    work.mkdir()
+
+    api = _run([python, "-c", """if True:
+        import json, jax.numpy as jnp, numpy as np
+        import deltares, kernels_pallas
+        from deltares import entry, hf
+        from deltares.configs import experiment
+        from deltares.data.tokenizer import load_tokenizer
+        from deltares.routing import depth_route
+        from deltares.train import train
+        from kernels_pallas.depth_route import depth_route as kernel_route
+        sources, valid = jnp.arange(24.0).reshape(2, 1, 3, 4) / 24, jnp.array([True, True])
+        out = depth_route(sources, valid, jnp.zeros(4), jnp.ones(4))
+        np.testing.assert_allclose(out, kernel_route(sources, valid, jnp.zeros(4), jnp.ones(4)), atol=1e-6)
+        np.testing.assert_allclose(out, sources.mean(0), atol=1e-6)  # a zero query: uniform weights
+        print(json.dumps(dict(deltares=deltares.__file__, kernels=kernels_pallas.__file__,
+                              experiments=entry.experiments_dir(), gpt2=len(load_tokenizer("gpt2").encode("Call me Ishmael.")))))
+    """], cwd=work, env=_env(JAX_PLATFORMS="cpu"))  # a library user's program: libtpu is theirs to quiet
+    found = json.loads(api.stdout.strip().splitlines()[-1])
+    venv_real = os.path.realpath(venv)
+    for key in ("deltares", "kernels", "experiments"):
+        assert os.path.realpath(found[key]).startswith(venv_real + os.sep), (key, found[key])
+    assert found["gpt2"] > 0
+
+    # The README's spelling of the debug experiment: no experiments/ here, the shipped file is found.
+    train = _run([python, "-m", "deltares.train", "--config", "experiments/debug.py", "--workdir", str(work / "run"),
+                  "--config.train.steps=2"], cwd=work, env=_env())
+    assert "step 2: validation loss" in train.stdout
+    assert os.path.exists(work / "run" / "metrics.jsonl")
+    if not entry.tpu_chips_present():  # JAX_PLATFORMS unset: libtpu probes for a TPU, quietly
+        assert "TPU" not in train.stderr, train.stderr[-2000:]
+
+    # absl's --help exits with status 1; the console script shows what `python -m deltares.train --help` shows
+    script = _run([str(venv / "bin" / "deltares-train"), "--help"], cwd=work, env=_env(), status=1)
+    assert "Train a deltares model" in script.stdout and "--workdir: Run directory" in script.stdout
+    print(f"venv, install, API, 2-step debug training, console script: {time.perf_counter() - start:.1f} s")
+
+
+def test_import_changes_no_environment_variable(tmp_path):
+    """`import deltares` leaves os.environ as it was; so does importing every module of deltares and
+    kernels_pallas, measured after the third-party packages they use are imported (jax itself sets
+    TPU_LIBRARY_PATH and others, lm-eval HF_XET_HIGH_PERFORMANCE: not ours to change)."""
+    code = """if True:
+        import importlib, json, os, pkgutil
+        def changed(before):
+            return sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+        before = dict(os.environ)
+        import deltares
+        package = changed(before)
+        import jax, jax.experimental.pallas, flax, optax, orbax.checkpoint, grain, lm_eval, tokenizers, tensorboardX
+        before = dict(os.environ)
+        import kernels_pallas
+        names = [m.name for p in (deltares, kernels_pallas) for m in pkgutil.walk_packages(p.__path__, p.__name__ + ".")
+                 if not m.name.startswith("deltares.hf_remote")]  # PyTorch templates, not imported by deltares
+        for name in names:
+            importlib.import_module(name)
+        print(json.dumps(dict(package=package, modules=changed(before), names=names)))
+    """
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path, env=_env(PYTHONPATH=ROOT))
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"deltares.train", "deltares.aot", "deltares.harness", "deltares.entry"} <= set(found["names"])
+    assert found["package"] == [] and found["modules"] == [], found
+
+
+def test_config_names_resolve_to_the_shipped_experiments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no experiments/ here
+    shipped = os.path.join(entry.experiments_dir(), "debug.py")
+    assert os.path.isfile(shipped)
+    for given, expected in [
+        ("debug", shipped),
+        ("debug:delta,block_layers=1", shipped + ":delta,block_layers=1"),
+        ("debug.py:baseline", shipped + ":baseline"),
+        ("experiments/debug.py:delta_block", shipped + ":delta_block"),
+        ("nosuch:delta", "nosuch:delta"),  # left for the tool to report
+        ("other/debug.py", "other/debug.py"),  # a path elsewhere is never redirected
+    ]:
+        assert entry.resolve_config(given) == expected, given
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "debug.py").write_text("")
+    assert entry.resolve_config("experiments/debug.py:delta") == "experiments/debug.py:delta"  # a file here wins
+
+    argv = ["train", "--config", "tiny:delta", "--config.train.steps=2", "--config=debug", "--", "--config", "debug"]
+    tiny = os.path.join(entry.experiments_dir(), "tiny.py")
+    assert entry.resolve_config_args(argv) == [
+        "train", "--config", tiny + ":delta", "--config.train.steps=2", f"--config={shipped}", "--", "--config", "debug"]

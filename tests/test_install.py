@@ -139,6 +139,10 @@ def test_wheel_installs_and_runs_outside_the_repository(wheel, tmp_path):
         out = depth_route(sources, valid, jnp.zeros(4), jnp.ones(4))
         np.testing.assert_allclose(out, kernel_route(sources, valid, jnp.zeros(4), jnp.ones(4)), atol=1e-6)
         np.testing.assert_allclose(out, sources.mean(0), atol=1e-6)  # a zero query: uniform weights
+        import glob, importlib.machinery, os
+        for path in sorted(glob.glob(os.path.join(entry.experiments_dir(), "*.py"))):  # as --config loads them
+            module = importlib.machinery.SourceFileLoader("config", path).load_module()
+            assert module.get_config().model.n_layers > 0, path
         print(json.dumps(dict(deltares=deltares.__file__, kernels=kernels_pallas.__file__,
                               experiments=entry.experiments_dir(), gpt2=len(load_tokenizer("gpt2").encode("Call me Ishmael.")))))
     """], cwd=work, env=_env(JAX_PLATFORMS="cpu"))  # a library user's program: libtpu is theirs to quiet

@@ -13,36 +13,17 @@ The two Kimi modes and the two Delta modes differ only in `replaces_stream`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from deltares import routing
-from deltares.config import BLOCK_MODES, dtype_of
+from deltares.config import dtype_of
+from deltares.depth import DepthState, add_delta, sublayer_input
 from deltares.layers import MLP, Attention, DepthRouter, RMSNorm
 from deltares.residual import ResidualPlan, plan_for
-
-
-STREAM_AXES = ("batch", "length", "act_embed")  # logical names of the stream and of each source
-SOURCES_AXES = ("sources",) + STREAM_AXES
-
-
-class DepthState(NamedTuple):
-    h_BTD: jax.Array  # additive stream e + sum of deltas so far
-    sources_SBTD: jax.Array | None  # source buffer (None in baseline)
-    inv_rms_SBT: jax.Array | None  # float32 1/rms of every slot
-
-
-def init_depth_state(e_BTD, plan: ResidualPlan, eps: float) -> DepthState:
-    """Stream = e; slot 0 of the buffer holds e, all other slots are zero."""
-    if not plan.uses_sources:
-        return DepthState(e_BTD, None, None)
-    sources = jnp.zeros((plan.n_slots,) + e_BTD.shape, e_BTD.dtype).at[0].set(e_BTD)
-    sources = nn.with_logical_constraint(sources, SOURCES_AXES)
-    inv = jnp.zeros((plan.n_slots,) + e_BTD.shape[:2], jnp.float32).at[0].set(routing.inv_rms(e_BTD, eps))
-    return DepthState(e_BTD, sources, inv)
 
 
 def routing_stats(weights_SBT, routed):
@@ -74,33 +55,18 @@ class DecoderLayer(nn.Module):
         norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
         if plan.uses_sources:
             res = cfg.residual
-            valid_S = jnp.asarray(plan.read)[j]
-            # A null source is one more source: with it every sublayer routes.
-            routed = jnp.asarray(plan.routed | res.get("null_source", False))[j]
-            residual = None if plan.replaces_stream else state.h_BTD
             impl = "xla" if self.return_stats else res.get("impl", "xla")  # statistics need the weights
             router_module = DepthRouter(res.get("gate", False), res.get("null_source", False), impl,
                                         res.get("interpret", False), cfg.norm_eps, name=f"{router}_router")
-            x_BTD, weights_SBT = router_module(state.sources_SBTD, state.inv_rms_SBT, valid_S, residual)
-            if residual is not None:  # single source: no routing, x = h (DESIGN.md section 3)
-                x_BTD = jnp.where(routed, x_BTD, state.h_BTD)
+            x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.get("null_source", False))
             stats = routing_stats(weights_SBT, routed) if self.return_stats else None
         else:
             x_BTD, stats = state.h_BTD, (empty_stats(plan.n_slots) if self.return_stats else None)
         return body(norm(x_BTD)).astype(state.h_BTD.dtype), stats
 
     def _write(self, j, state: DepthState, v_BTD, plan: ResidualPlan) -> DepthState:
-        """h_{j+1} = h_j + v_j, and v_j into sublayer j's write slot."""
-        h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, STREAM_AXES)
-        if not plan.uses_sources:
-            return DepthState(h_BTD, None, None)
-        slot = jnp.asarray(plan.write)[j]
-        # Block modes accumulate the block's partial; other modes write a fresh slot once
-        # (overwriting, which lets the store-once backward recompute from the final buffer).
-        slot_BTD = state.sources_SBTD[slot] + v_BTD if plan.mode in BLOCK_MODES else v_BTD
-        sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
-        inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, self.config.norm_eps))
-        return DepthState(h_BTD, sources, inv)
+        """h_{j+1} = h_j + v_j, and v_j into sublayer j's write slot (deltares.depth.add_delta)."""
+        return add_delta(plan, state, j, v_BTD, self.config.norm_eps)
 
     @nn.compact
     def __call__(self, state: DepthState, layer, cos_TH, sin_TH, cache=None, pos=None, only=None):

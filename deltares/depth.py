@@ -1,4 +1,5 @@
-"""The depth pass with a store-once source buffer for the backward pass.
+"""Depth state (stream, source buffer, cached 1/rms), its per-sublayer read and write, and the
+depth pass with a store-once source buffer for the backward pass.
 
 Reverse-mode AD of a scan saves the carry at every step, so a source buffer
 carried through L layers is stored L times: O(L x S x B x T x D) memory, quadratic
@@ -20,14 +21,79 @@ slots) recompute whole layers from the rebuilt input buffer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from deltares import routing
 from deltares.config import BLOCK_MODES
-from deltares.decoder import DepthState
 from deltares.residual import ResidualPlan
+
+STREAM_AXES = ("batch", "length", "act_embed")  # logical names of the stream and of each source
+SOURCES_AXES = ("sources",) + STREAM_AXES
+
+
+class DepthState(NamedTuple):
+    h_BTD: jax.Array  # additive stream e + sum of deltas so far
+    sources_SBTD: jax.Array | None  # source buffer (None in baseline)
+    inv_rms_SBT: jax.Array | None  # float32 1/rms of every slot
+
+
+def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS) -> DepthState:
+    """Stream = e; slot 0 of the buffer holds e, all other slots are zero."""
+    if not plan.uses_sources:
+        return DepthState(e_BTD, None, None)
+    sources = jnp.zeros((plan.n_slots,) + e_BTD.shape, e_BTD.dtype).at[0].set(e_BTD)
+    sources = nn.with_logical_constraint(sources, SOURCES_AXES)
+    inv = jnp.zeros((plan.n_slots,) + e_BTD.shape[:2], jnp.float32).at[0].set(routing.inv_rms(e_BTD, eps))
+    return DepthState(e_BTD, sources, inv)
+
+
+def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source: bool = False):
+    """Sublayer j's input x_j (DESIGN.md section 3) and its routing: returns (x_BTD, weights_SBT or
+    None, routed). `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
+    (linen or NNX) or `apply_router` on parameters; `j` may be traced (a scanned layer).
+
+        x_j = h_j                  baseline, or an additive sublayer with a single source
+        x_j = route(S_j)           replacement modes (Kimi)
+        x_j = h_j + route(S_j)     additive modes (Delta)
+
+    A null source is one more source: with it every sublayer routes."""
+    if not plan.uses_sources:
+        return state.h_BTD, None, jnp.asarray(False)
+    routed = jnp.asarray(plan.routed | null_source)[j]
+    residual = None if plan.replaces_stream else state.h_BTD
+    x_BTD, weights_SBT = router(state.sources_SBTD, state.inv_rms_SBT, jnp.asarray(plan.read)[j], residual)
+    if residual is not None:  # single source: no routing, x = h
+        x_BTD = jnp.where(routed, x_BTD, state.h_BTD)
+    return x_BTD, weights_SBT, routed
+
+
+def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = routing.NORM_EPS) -> DepthState:
+    """h_{j+1} = h_j + v_j, and v_j into sublayer j's write slot (with its 1/rms)."""
+    h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, STREAM_AXES)
+    if not plan.uses_sources:
+        return DepthState(h_BTD, None, None)
+    slot = jnp.asarray(plan.write)[j]
+    # Block modes accumulate the block's partial; other modes write a fresh slot once
+    # (overwriting, which lets the store-once backward recompute from the final buffer).
+    slot_BTD = state.sources_SBTD[slot] + v_BTD if plan.mode in BLOCK_MODES else v_BTD
+    sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
+    inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, eps))
+    return DepthState(h_BTD, sources, inv)
+
+
+def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
+    """The stack's output before the final norm: the Kimi modes route over every source with
+    `final_router` (own parameters), the others return the stream h_2L."""
+    if not plan.replaces_stream:
+        return state.h_BTD
+    if final_router is None:
+        raise ValueError(f"mode {plan.mode!r} routes its output: pass a final router")
+    out_BTD, _ = final_router(state.sources_SBTD, state.inv_rms_SBT, jnp.asarray(plan.final_read))
+    return out_BTD
 
 
 def _input_state(final: DepthState, saved, layer, plan: ResidualPlan) -> DepthState:

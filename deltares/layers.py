@@ -153,28 +153,60 @@ class DepthRouter(nn.Module):
 
     @nn.compact
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
+        if self.gate and residual_BTD is None:
+            raise ValueError("a routing gate needs additive routing (a residual)")
         D = sources_SBTD.shape[-1]
-        query = self.param("query", _param_init(nn.initializers.zeros, ("embed",)), (D,), jnp.float32)
-        gain = self.param("gain", _param_init(nn.initializers.ones, ("embed",)), (D,), jnp.float32)
-        null = None
-        if self.null_source:
-            null = self.param("null_source", _param_init(nn.initializers.zeros, ("embed",)), (D,), jnp.float32)
-        gate = None
-        if self.gate:
-            if residual_BTD is None:
-                raise ValueError("a routing gate needs additive routing (a residual)")
-            gate = self.param("gate", _param_init(nn.initializers.zeros, ("norm",)), (1,), jnp.float32)
-        inner_residual = residual_BTD if gate is None else None
-        if self.impl == "xla":
-            route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null,
-                                               self.eps)
-        else:
-            route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual,
-                                                  self.impl, self.interpret, self.eps), None
-        if gate is None:
-            return route_BTD, weights_SBT
-        out_BTD = residual_BTD.astype(jnp.float32) + gate[0] * route_BTD.astype(jnp.float32)
-        return out_BTD.astype(sources_SBTD.dtype), weights_SBT
+        params = {name: self.param(name, _param_init(ROUTER_PARAMS[name][0], ROUTER_PARAMS[name][1]),
+                                   router_param_shape(name, D), jnp.float32)
+                  for name in router_param_names(self.gate, self.null_source)}
+        return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
+                            interpret=self.interpret, eps=self.eps)
+
+
+# A router's parameters (float32): name -> (initialiser, logical axis names); shape [D], the gate [1].
+ROUTER_PARAMS = dict(
+    query=(nn.initializers.zeros, ("embed",)),
+    gain=(nn.initializers.ones, ("embed",)),
+    null_source=(nn.initializers.zeros, ("embed",)),
+    gate=(nn.initializers.zeros, ("norm",)),
+)
+
+
+def router_param_names(gate: bool = False, null_source: bool = False) -> tuple[str, ...]:
+    return ("query", "gain") + (("null_source",) if null_source else ()) + (("gate",) if gate else ())
+
+
+def router_param_shape(name: str, d_model: int) -> tuple[int]:
+    return (1,) if name == "gate" else (d_model,)
+
+
+def init_router_params(d_model: int, gate: bool = False, null_source: bool = False) -> dict:
+    """A router's initial parameters as a plain dict (for `apply_router` in a plain-JAX model)."""
+    key = jax.random.key(0)  # the router initialisers are constants
+    return {name: ROUTER_PARAMS[name][0](key, router_param_shape(name, d_model), jnp.float32)
+            for name in router_param_names(gate, null_source)}
+
+
+def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *, impl: str = "xla",
+                 interpret: bool = False, eps: float = routing.NORM_EPS):
+    """A router's math on its parameters (`query`, `gain`, optionally `null_source`, `gate`: see
+    DepthRouter, ROUTER_AXES); shared by the linen and NNX DepthRouter and plain parameter dicts.
+    Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel."""
+    query, gain, null, gate = params["query"], params["gain"], params.get("null_source"), params.get("gate")
+    if gate is not None and residual_BTD is None:
+        raise ValueError("a routing gate needs additive routing (a residual)")
+    inner_residual = residual_BTD if gate is None else None
+    if impl == "xla":
+        route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null, eps)
+    else:
+        if null is not None:
+            raise ValueError("the Pallas kernel has no null source; use impl='xla' with a null source")
+        route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual, impl, interpret,
+                                              eps), None
+    if gate is None:
+        return route_BTD, weights_SBT
+    out_BTD = residual_BTD.astype(jnp.float32) + gate[0] * route_BTD.astype(jnp.float32)
+    return out_BTD.astype(sources_SBTD.dtype), weights_SBT
 
 
 def _batch_axes(mesh, batch: int):

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from deltares.config import dtype_of, validate_model_config
-from deltares.decoder import STREAM_AXES, DecoderLayer, init_depth_state
-from deltares.depth import depth_scan
+from deltares.decoder import DecoderLayer
+from deltares.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
 from deltares.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
 from deltares.residual import plan_for
 
@@ -122,9 +122,9 @@ class Transformer(nn.Module):
             res = cfg.residual
             final_router = DepthRouter(impl=res.get("impl", "xla"), interpret=res.get("interpret", False),
                                        eps=cfg.norm_eps, name="final_router")
-            out_BTD, _ = final_router(state.sources_SBTD, state.inv_rms_SBT, plan.final_read)
         else:
-            out_BTD = state.h_BTD
+            final_router = None
+        out_BTD = stack_output(plan, state, final_router)
         if logits_at is not None:
             out_BTD = jnp.take_along_axis(out_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
         x_BTD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(out_BTD)

@@ -1,0 +1,157 @@
+"""Depth routing in your own model: any of the five residual modes around your own sublayers.
+
+deltares supplies each sublayer's routed input, the source bookkeeping (buffer, validity,
+cached 1/rms, slot writes) and, when asked, the store-once depth pass; you supply the
+sublayers (attention, MLP: anything mapping [B, T, D] to a delta [B, T, D], pre-norm included)
+and one router per sublayer (linen `deltares.layers.DepthRouter`, NNX
+`deltares.nnx.DepthRouter`, or a parameter dict for `apply_router`). Sublayers are numbered
+j = 0 .. 2L-1 (j = 2l: attention of layer l, j = 2l+1: its MLP), as in DESIGN.md section 2.
+
+    routing = DepthRouting("delta_block", n_layers=L, block_layers=2)
+    state = routing.start(e_BTD)
+    for j in range(2 * L):
+        x_BTD = routing.input(state, j, routers[j])
+        state = routing.add(state, j, sublayer[j](x_BTD))
+    out_BTD = routing.output(state, final_router)   # final_router: Kimi modes only
+
+Or, for a stack of identical layers with stacked parameters, `routing.stack(...)`: a scan
+whose backward pass stores each source once (deltares.depth.depth_scan).
+This is the code deltares' own DecoderLayer and Transformer run (deltares.depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deltares import routing as routing_math
+from deltares.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
+from deltares.layers import apply_router, init_router_params
+from deltares.residual import ResidualPlan, make_plan
+
+SUBLAYERS_PER_LAYER = 2  # attention, then MLP
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthRouting:
+    """The residual scheme of a stack of `n_layers` layers (no parameters: those live in the
+    routers). `eps` is the key norm's epsilon (the model's norm eps)."""
+
+    mode: str
+    n_layers: int
+    block_layers: int = 1
+    include_partial: bool = True
+    eps: float = routing_math.NORM_EPS
+
+    plan: ResidualPlan = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise ValueError(f"n_layers={self.n_layers!r} must be a positive integer")
+        if not isinstance(self.block_layers, int) or not 1 <= self.block_layers <= self.n_layers:
+            raise ValueError(f"block_layers={self.block_layers!r} must be an integer in [1, n_layers={self.n_layers}]")
+        object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial))
+
+    @classmethod
+    def from_config(cls, model_cfg) -> DepthRouting:
+        """The routing of a deltares `config.model`."""
+        res = model_cfg.residual
+        return cls(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial, model_cfg.norm_eps)
+
+    @property
+    def uses_routers(self) -> bool:
+        """False in baseline: no router is called and none needs parameters."""
+        return self.plan.uses_sources
+
+    @property
+    def uses_final_router(self) -> bool:
+        """The Kimi modes route the stack's output with one more router."""
+        return self.plan.replaces_stream
+
+    def start(self, e_BTD) -> DepthState:
+        """The depth state before sublayer 0: stream e, and e in source slot 0."""
+        return init_depth_state(e_BTD, self.plan, self.eps)
+
+    def input(self, state: DepthState, j, router=None, *, return_weights: bool = False):
+        """Sublayer j's input x_j [B, T, D]; with `return_weights` also (weights [S, B, T] or None).
+        `router` is called in every mode but baseline (even where j has one source, so every
+        sublayer has parameters, as in deltares' Transformer)."""
+        if self.uses_routers and router is None:
+            raise ValueError(f"mode {self.mode!r} routes sublayer inputs: pass a router")
+        router = self._callable(router)
+        x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router))
+        return (x_BTD, weights_SBT) if return_weights else x_BTD
+
+    def add(self, state: DepthState, j, v_BTD) -> DepthState:
+        """Adds sublayer j's delta v_j to the stream and to its source slot."""
+        return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.eps)
+
+    def output(self, state: DepthState, final_router=None):
+        """The stack's output before the final norm (Kimi modes: routed with `final_router`)."""
+        return stack_output(self.plan, state, self._callable(final_router) if self.uses_final_router else None)
+
+    def layer(self, state: DepthState, layer, sublayers: Sequence[tuple[Any, Callable]], only=None):
+        """Layer `layer` (may be traced): `sublayers` = [(router, f)] for attention and MLP, f(x) -> delta.
+        Returns (state, None), or with `only` = k sublayer k's (delta, its 1/rms) without writing
+        (the protocol of deltares.depth.depth_scan)."""
+        if len(sublayers) != SUBLAYERS_PER_LAYER:
+            raise ValueError(f"a layer has {SUBLAYERS_PER_LAYER} sublayers (attention, MLP), got {len(sublayers)}")
+        def delta(k, state):
+            router, fn = sublayers[k]
+            return fn(self.input(state, SUBLAYERS_PER_LAYER * layer + k, router)).astype(state.h_BTD.dtype)
+
+        if only is not None:  # sublayer `only` alone on `state`
+            v_BTD = delta(only, state)
+            return v_BTD, routing_math.inv_rms(v_BTD, self.eps)
+        for k in range(SUBLAYERS_PER_LAYER):
+            state = self.add(state, SUBLAYERS_PER_LAYER * layer + k, delta(k, state))
+        return state, None
+
+    def stack(self, sublayers_of: Callable, params_L, e_BTD, *, store_once: bool = True, remat: bool = True):
+        """All L layers as one scan over `params_L` (a pytree stacked on a leading L axis);
+        `sublayers_of(params_l)` returns that layer's [(router, f)] (see `layer`). Returns the
+        final DepthState (then `output`). `store_once` (routed modes) runs deltares.depth.depth_scan,
+        whose backward pass keeps one source buffer instead of one per layer; otherwise plain AD of
+        a scan, each layer rematerialised with `remat`."""
+
+        def layer_fn(params_l, state, layer, only=None):
+            return self.layer(state, layer, sublayers_of(params_l), only=only)
+
+        state = self.start(e_BTD)
+        if store_once and self.uses_routers:
+            return depth_scan(layer_fn, params_L, state, self.plan)[0]
+        step = jax.checkpoint(layer_fn) if remat else layer_fn
+
+        def body(state, xs):
+            return step(xs[0], state, xs[1])
+
+        return jax.lax.scan(body, state, (params_L, jnp.arange(self.n_layers)))[0]
+
+    def _callable(self, router):
+        """A router as a callable: parameter dicts go through apply_router with this eps."""
+        if isinstance(router, Mapping):
+            return _ParamRouter(router, self.eps)
+        return router
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamRouter:
+    params: Mapping
+    eps: float
+
+    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
+        return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.eps)
+
+
+def _has_null(router) -> bool:
+    """Whether a router has a null source: linen's flag, or NNX's / a dict's parameter."""
+    if isinstance(router, _ParamRouter) or hasattr(router, "param_names"):
+        return "null_source" in (router.params if isinstance(router, _ParamRouter) else router.param_names)
+    return bool(getattr(router, "null_source", False))
+
+
+__all__ = ["DepthRouting", "DepthState", "apply_router", "init_router_params"]

@@ -1,0 +1,125 @@
+"""The GPT of examples/gpt_linen.py written from scratch in Flax NNX, with deltares depth routing.
+
+    python -m examples.gpt_nnx          # from the repository root: a few training steps on Moby-Dick
+
+The same architecture and configuration as the linen example; deltares supplies
+`DepthRouting` (routed inputs, source bookkeeping) and the NNX `DepthRouter` (one
+sublayer's routing parameters, named and initialised as the linen one).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from deltares.nnx import DepthRouter
+from examples.gpt_linen import GPTConfig, builtin_batches, loss_fn, rms_norm, rope
+
+init = nnx.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale, self.eps = nnx.Param(jnp.ones((dim,))), eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        D, N, H = cfg.d_model, cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.q, self.k, self.v = (nnx.Param(init(rngs.params(), (D, N, H))) for _ in range(3))
+        self.o = nnx.Param(init(rngs.params(), (N, H, D)))
+        self.q_norm, self.k_norm = nnx.Param(jnp.ones((H,))), nnx.Param(jnp.ones((H,)))
+        self.cfg = cfg
+
+    def __call__(self, x_BTD):
+        cfg, H = self.cfg, self.cfg.d_model // self.cfg.n_heads
+        q, k, v = (jnp.einsum("btd,dnh->btnh", x_BTD, w[...]) for w in (self.q, self.k, self.v))
+        q = rope(rms_norm(q, self.q_norm[...], cfg.eps), cfg.rope_theta)
+        k = rope(rms_norm(k, self.k_norm[...], cfg.eps), cfg.rope_theta)
+        T = x_BTD.shape[1]
+        scores_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(H)
+        scores_BNTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BNTS, -jnp.inf)
+        out_BTNH = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores_BNTS, axis=-1), v)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o[...])
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_ff
+        self.gate, self.up = (nnx.Param(init(rngs.params(), (D, F))) for _ in range(2))
+        self.down = nnx.Param(init(rngs.params(), (F, D)))
+
+    def __call__(self, x_BTD):
+        return (nnx.silu(x_BTD @ self.gate[...]) * (x_BTD @ self.up[...])) @ self.down[...]
+
+
+class Block(nnx.Module):
+    """Layer `layer`: attention then MLP, each reading its routed input and adding its delta."""
+
+    def __init__(self, cfg: GPTConfig, layer: int, rngs: nnx.Rngs):
+        self.cfg, self.layer = cfg, layer
+        self.attn, self.mlp = Attention(cfg, rngs), MLP(cfg, rngs)
+        self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model, cfg.eps), RMSNorm(cfg.d_model, cfg.eps)
+        routed = cfg.routing().uses_routers  # baseline has no routers
+        self.attn_router, self.mlp_router = (DepthRouter(cfg.d_model, eps=cfg.eps) if routed else None
+                                             for _ in range(2))
+
+    def __call__(self, state):
+        routing = self.cfg.routing()
+        sublayers = ((self.attn_router, self.attn_norm, self.attn), (self.mlp_router, self.mlp_norm, self.mlp))
+        for k, (router, norm, sublayer) in enumerate(sublayers):
+            j = 2 * self.layer + k
+            state = routing.add(state, j, sublayer(norm(routing.input(state, j, router))))
+        return state
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, layer, rngs) for layer in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.eps)
+        self.final_router = DepthRouter(cfg.d_model, eps=cfg.eps) if cfg.routing().uses_final_router else None
+
+    def __call__(self, tokens_BT):
+        routing = self.cfg.routing()
+        state = routing.start(self.embed(tokens_BT))
+        for block in self.blocks:
+            state = block(state)
+        return self.embed.attend(self.final_norm(routing.output(state, self.final_router)))
+
+
+def train(cfg: GPTConfig, steps: int = 20, seq_len: int = 64, batch: int = 8, lr: float = 3e-3, workdir=None):
+    """Trains `steps` AdamW steps; returns the losses."""
+    workdir = workdir or os.path.join(tempfile.gettempdir(), "deltares_examples")
+    batches = builtin_batches(workdir, seq_len, batch)
+    model = GPT(cfg, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, tokens_BT):
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(tokens_BT[:, :-1]), tokens_BT[:, 1:]))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = []
+    for i in range(steps):
+        losses.append(float(step(model, optimizer, jnp.asarray(next(batches)))))
+        print(f"step {i + 1:3d}  loss {losses[-1]:.4f}")
+    return losses
+
+
+def main():
+    train(GPTConfig())
+
+
+if __name__ == "__main__":
+    main()

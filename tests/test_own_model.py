@@ -1,0 +1,222 @@
+"""Depth routing in your own model: deltares.routed (DepthRouting), deltares.nnx and examples/.
+
+The hand-written GPTs of examples/ (their own attention, MLP, norms and rotary embeddings,
+linen and NNX) route through the public API; on the same weights they must compute what
+deltares' Transformer computes, in all five modes. Weights are redrawn at O(1) scale and
+routers get random queries and gains, so a wrong source, mask or slot moves the logits far
+beyond the tolerance. The store-once depth pass of `DepthRouting.stack` must equal plain AD
+and an unrolled loop.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deltares.config import model_config
+from deltares.layers import DepthRouter as LinenRouter
+from deltares.layers import init_router_params
+from deltares.model import Transformer
+from deltares.nnx import DepthRouter as NNXRouter
+from deltares.routed import DepthRouting
+from examples import gpt_linen, gpt_nnx
+
+MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")
+CFG = gpt_linen.GPTConfig(vocab_size=31, d_model=16, n_layers=3, n_heads=2, d_ff=24, block_layers=2)  # last block short
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 31, (2, 6)), jnp.int32)
+TOL = 1e-5
+
+
+def _cfg(mode):
+    return gpt_linen.GPTConfig(**{**CFG.__dict__, "mode": mode})
+
+
+def _random_like(params, seed=1):
+    """Every parameter redrawn: matrices normal(0, 0.5), gains and queries around 1."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [jax.random.normal(k, x.shape) * (0.5 if x.ndim > 1 else 0.3) + (0 if x.ndim > 1 else 1)
+           for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, new)
+
+
+def _linen_params(mode):
+    params = nn.meta.unbox(gpt_linen.GPT(_cfg(mode)).init(jax.random.key(0), TOKENS)["params"])
+    return _random_like(params)
+
+
+def to_transformer(p: dict, n_layers: int) -> dict:
+    """The example's linen parameters under deltares' Transformer (unrolled) names."""
+    out = {"embed": p["embed"], "final_norm": p["final_norm"]}
+    if "final_router" in p:
+        out["final_router"] = p["final_router"]
+    for layer in range(n_layers):
+        b = p[f"block_{layer}"]
+        attn = {f"{n}_proj": {"kernel": b["attn"][n]} for n in ("q", "k", "v", "o")}
+        attn.update(q_norm={"scale": b["attn"]["q_norm"]}, k_norm={"scale": b["attn"]["k_norm"]})
+        out[f"layers_{layer}"] = dict(
+            attn=attn, mlp={f"{n}_proj": {"kernel": b["mlp"][n]} for n in ("gate", "up", "down")},
+            **{k: b[k] for k in ("attn_norm", "mlp_norm", "attn_router", "mlp_router") if k in b})
+    return out
+
+
+def linen_to_nnx(p: dict, n_layers: int) -> dict:
+    """The example's linen parameters as the NNX example's pure state dict."""
+    out = {k: p[k] for k in ("embed", "final_norm", "final_router") if k in p}
+    out["blocks"] = {layer: p[f"block_{layer}"] for layer in range(n_layers)}
+    return out
+
+
+def _transformer(mode):
+    res = dict(mode=mode, block_layers=CFG.block_layers)
+    cfg = model_config(vocab_size=CFG.vocab_size, d_model=CFG.d_model, n_layers=CFG.n_layers, n_heads=CFG.n_heads,
+                       n_kv_heads=CFG.n_heads, head_dim=CFG.d_model // CFG.n_heads, d_ff=CFG.d_ff,
+                       rope_theta=CFG.rope_theta, norm_eps=CFG.eps, dtype="float32", scan_layers=False, residual=res)
+    return Transformer(cfg)
+
+
+def _nnx_model(mode, linen_params):
+    model = gpt_nnx.GPT(_cfg(mode), nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, linen_to_nnx(linen_params, CFG.n_layers))
+    nnx.update(model, state)
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_linen_example_equals_transformer(mode):
+    params = _linen_params(mode)
+    logits = gpt_linen.GPT(_cfg(mode)).apply({"params": params}, TOKENS)
+    model = _transformer(mode)
+    expected_tree = jax.tree.structure(nn.meta.unbox(model.init(jax.random.key(0), TOKENS)["params"]))
+    mapped = to_transformer(params, CFG.n_layers)
+    assert jax.tree.structure(mapped) == expected_tree  # same parameters, no more, no fewer
+    ref = model.apply({"params": mapped}, TOKENS)
+    np.testing.assert_allclose(logits, ref, atol=TOL * max(1.0, float(jnp.abs(ref).max())), rtol=0)
+    assert float(jnp.std(ref)) > 0.5  # logits vary: the comparison is not of near-constants
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nnx_example_equals_linen_values_and_gradients(mode):
+    params = _linen_params(mode)
+    linen_model, nnx_model = gpt_linen.GPT(_cfg(mode)), _nnx_model(mode, params)
+
+    def linen_loss(p):
+        return gpt_linen.loss_fn(linen_model.apply({"params": p}, TOKENS[:, :-1]), TOKENS[:, 1:])
+
+    loss, grads = jax.value_and_grad(linen_loss)(params)
+    nnx_loss, nnx_grads = nnx.value_and_grad(lambda m: gpt_linen.loss_fn(m(TOKENS[:, :-1]), TOKENS[:, 1:]))(nnx_model)
+    np.testing.assert_allclose(nnx_loss, loss, rtol=TOL)
+    expected = linen_to_nnx(grads, CFG.n_layers)
+    got = nnx.to_pure_dict(nnx_grads)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(g, e, atol=TOL * max(1.0, float(jnp.abs(e).max())), rtol=0)
+    if mode != "baseline":  # the routers learn
+        assert float(jnp.abs(expected["blocks"][2]["mlp_router"]["query"]).max()) > 1e-4
+    ref = _transformer(mode).apply({"params": to_transformer(params, CFG.n_layers)}, TOKENS)
+    np.testing.assert_allclose(nnx_model(TOKENS), ref, atol=TOL * max(1.0, float(jnp.abs(ref).max())), rtol=0)
+
+
+def _stack_params(n_layers=3, d=8, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    routers = {name: {"query": jax.random.normal(k, (n_layers, d)), "gain": 1 + 0.3 * jax.random.normal(k, (n_layers, d))}
+               for name, k in (("attn", keys[0]), ("mlp", keys[1]))}
+    return dict(w_attn=jax.random.normal(keys[2], (n_layers, d, d)) * 0.5,
+                w_mlp=jax.random.normal(keys[3], (n_layers, d, d)) * 0.5, routers=routers)
+
+
+def _sublayers_of(p):
+    def norm(x):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+    return [(p["routers"]["attn"], lambda x: jnp.tanh(norm(x) @ p["w_attn"])),
+            (p["routers"]["mlp"], lambda x: jnp.sin(norm(x) @ p["w_mlp"]))]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stack_store_once_equals_plain_ad_and_unrolled_loop(mode):
+    routing = DepthRouting(mode, n_layers=3, block_layers=2)
+    params_L = _stack_params()
+    e_BTD = jax.random.normal(jax.random.key(9), (2, 3, 8))
+    final = {"query": jnp.linspace(-1, 1, 8), "gain": jnp.ones(8)}
+
+    def loss(run, params_L, e_BTD):
+        out = routing.output(run(params_L, e_BTD), final)
+        return jnp.sum(jnp.sin(out) * jnp.arange(8))
+
+    def unrolled(params_L, e_BTD):
+        state = routing.start(e_BTD)
+        for layer in range(routing.n_layers):
+            p = jax.tree.map(lambda x, layer=layer: x[layer], params_L)
+            for j, (router, fn) in zip((2 * layer, 2 * layer + 1), _sublayers_of(p)):
+                state = routing.add(state, j, fn(routing.input(state, j, router)))
+        return state
+
+    runs = dict(store_once=lambda p, e: routing.stack(_sublayers_of, p, e),
+                plain=lambda p, e: routing.stack(_sublayers_of, p, e, store_once=False),
+                unrolled=unrolled)
+    results = {name: jax.jit(jax.value_and_grad(lambda p, e, run=run: loss(run, p, e), argnums=(0, 1)))(params_L, e_BTD)
+               for name, run in runs.items()}
+    ref_value, ref_grads = results["unrolled"]
+    for name in ("store_once", "plain"):
+        value, grads = results[name]
+        np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(g, r, atol=1e-5 * max(1.0, float(jnp.abs(r).max())), rtol=0)
+    if mode != "baseline":
+        assert float(jnp.abs(ref_grads[0]["routers"]["mlp"]["query"]).max()) > 1e-3
+        # the store-once path is deltares.depth.depth_scan's custom VJP, the plain path is not
+        assert "custom_vjp_call" in str(jax.make_jaxpr(runs["store_once"])(params_L, e_BTD))
+        assert "custom_vjp_call" not in str(jax.make_jaxpr(runs["plain"])(params_L, e_BTD))
+
+
+@pytest.mark.parametrize("gate,null_source", [(False, False), (True, True)])
+def test_nnx_router_matches_linen_names_axes_and_values(gate, null_source):
+    D = 8
+    sources = jax.random.normal(jax.random.key(0), (3, 2, 4, D))
+    inv = jax.lax.rsqrt(jnp.mean(sources * sources, -1) + 1e-6)
+    valid, residual = jnp.array([True, True, False]), jax.random.normal(jax.random.key(1), (2, 4, D))
+    linen = LinenRouter(gate=gate, null_source=null_source)
+    boxed = linen.init(jax.random.key(0), sources, inv, valid, residual)["params"]
+    router = NNXRouter(D, gate=gate, null_source=null_source)  # default flax settings, no mesh
+    state = nnx.state(router, nnx.Param)
+    axes = {k: v.get_metadata()["out_sharding"] for k, v in state.items()}
+    assert axes == {k: v.names for k, v in boxed.items()}
+    init = nn.meta.unbox(boxed)
+    assert nnx.to_pure_dict(state).keys() == init.keys() == init_router_params(D, gate, null_source).keys()
+    for k in init:
+        np.testing.assert_array_equal(state[k][...], init[k])
+    params = _random_like(init, seed=3)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(router, state)
+    out, weights = router(sources, inv, valid, residual)
+    ref, ref_weights = linen.apply({"params": params}, sources, inv, valid, residual)
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6)
+    assert float(jnp.abs(out - residual).max()) > 1e-2  # the routed term is not zero
+
+
+def test_bad_use_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown residual mode"):
+        DepthRouting("deltablock", n_layers=2)
+    with pytest.raises(ValueError, match="block_layers"):
+        DepthRouting("delta_block", n_layers=2, block_layers=3)
+    routing = DepthRouting("delta", n_layers=1)
+    state = routing.start(jnp.ones((1, 2, 4)))
+    with pytest.raises(ValueError, match="pass a router"):
+        routing.input(state, 0)
+    with pytest.raises(ValueError, match="pass a final router"):
+        DepthRouting("full_attnres", n_layers=1).output(DepthRouting("full_attnres", n_layers=1).start(jnp.ones((1, 2, 4))))
+
+
+@pytest.mark.parametrize("example", [gpt_linen, gpt_nnx], ids=["linen", "nnx"])
+def test_example_trains_on_builtin_corpus(example, tmp_path):
+    cfg = gpt_linen.GPTConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, block_layers=1)
+    losses = example.train(cfg, steps=8, seq_len=32, batch=4, lr=1e-2, workdir=str(tmp_path))
+    assert len(losses) == 8 and all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.5

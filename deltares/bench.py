@@ -26,10 +26,12 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from absl import flags, logging
+from ml_collections import config_flags
 
 from deltares.config import MODES
 from deltares.memory import compiled_bytes, device_peak_bytes
-from deltares.metrics import model_flops_per_token, peak_flops_per_device
+from deltares.metrics import mfu, model_flops_per_token, peak_flops_per_device
 from deltares.sharding import make_mesh, shard_batch, sharded_train_step
 
 
@@ -111,7 +113,7 @@ def benchmark(cfg, modes, batch: int, seq_len: int, rounds: int, steps: int) -> 
     return results
 
 
-def table(results: dict[str, ModeResult], tokens_per_step: int, peak_flops: float) -> str:
+def table(results: dict[str, ModeResult], tokens_per_step: int, peak_flops: float | None) -> str:
     base = results["baseline"]
     base_s = statistics.median(base.step_s)
     lines = [
@@ -121,9 +123,10 @@ def table(results: dict[str, ModeResult], tokens_per_step: int, peak_flops: floa
     for mode, r in results.items():
         med = statistics.median(r.step_s)
         temp_ratio = f"{r.temp_bytes / base.temp_bytes:.2f}x" if base.temp_bytes > 0 and r.temp_bytes >= 0 else "-"
+        util = mfu(r.flops_per_step, med, peak_flops)  # None on a device of unknown peak
         lines.append(
             f"| {mode} | {med * 1e3:.1f} | {tokens_per_step / med:,.0f} | {med / base_s:.3f}x | "
-            f"{r.flops_per_step / med / peak_flops:.1%} | {r.compile_s:.1f} | {r.argument_bytes / 2**20:.1f} | "
+            f"{'-' if util is None else f'{util:.1%}'} | {r.compile_s:.1f} | {r.argument_bytes / 2**20:.1f} | "
             f"{r.temp_bytes / 2**20:.1f} | {temp_ratio} |"
         )
     return "\n".join(lines)
@@ -156,21 +159,28 @@ def main(argv):
         sys.exit(f"error: {err}")
     except jax.errors.JaxRuntimeError as err:  # e.g. RESOURCE_EXHAUSTED: the step does not fit
         sys.exit(f"error: {str(err).strip().splitlines()[0]}")
-    peak_flops = peak_flops_per_device(cfg.train.peak_tflops) * jax.device_count()
+    peak_flops = peak_flops_per_device(cfg.train.peak_tflops)
+    peak_flops = peak_flops and peak_flops * jax.device_count()  # None: unknown device, MFU "-"
     print(table(results, batch * seq_len, peak_flops))
     peak = device_peak_bytes()
     if peak is not None:
         print(f"device memory peak of the whole benchmark (all modes' states alive): {peak / 2**30:.2f} GiB")
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
-    from absl import app, flags, logging
-    from ml_collections import config_flags
-
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py.")
+def cli() -> None:
+    """The command line (`python -m deltares.bench`, `deltares-bench`); flags only here, so modules
+    import side by side."""
+    global _CONFIG, _BATCH, _SEQ, _ROUNDS, _STEPS, _MODES
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py (or by name: tiny).")
     _BATCH = flags.DEFINE_integer("batch", None, "Sequences per step (default: config.train.global_batch).")
     _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default: config.data.seq_len).")
     _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
     _STEPS = flags.DEFINE_integer("steps", 4, "Timed steps per mode per round.")
     _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
-    app.run(main)
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

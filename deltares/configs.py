@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from deltares.config import MODES, model_config, validate_model_config
 
@@ -50,7 +51,8 @@ def parse_variant(arg: str | None, default_mode: str = "delta_block") -> dict:
 
 # The paper's recipe (DESIGN.md section 4): 10K steps of 32 x 2048 tokens (65K per
 # step), AdamW (0.9, 0.95, 1e-8), weight decay 0.1, clip 1.0, warmup 1000 then
-# cosine to 0.1 x peak, peak 6e-4.
+# cosine to 0.1 x peak, peak 6e-4. `None` leaves a field unset (see `experiment`): the
+# dataset must be given on the command line.
 PAPER_RECIPE = dict(
     data=dict(dataset=None, tokenizer="hf:/path/to/Qwen3-0.6B", seq_len=2048),
     train=dict(global_batch=32, steps=10_000, eval_every=500, eval_batches=50, checkpoint_every=500),
@@ -86,11 +88,16 @@ def base_config() -> ml_collections.ConfigDict:
                 keep_last=3,
                 keep_every=0,  # also keep every checkpoint whose step is a multiple of this (0: off)
                 peak_tflops=0.0,  # per-device peak for MFU; 0 looks the device up (deltares.metrics)
+                profile_steps=(),  # (start, end): a jax.profiler trace of steps start..end-1 into <workdir>/profile
+                profile_all_processes=False,  # trace every process, not only process 0
+                # Weights & Biases (deltares.wandb_tracker): off unless project is set; mode "" is
+                # WANDB_MODE's, else online ("offline": local files for `wandb sync`)
+                wandb=dict(project="", entity="", name="", mode=""),
             ),
             optim=dict(
                 lr=6e-4,
                 lr_min=6e-5,
-                routing_lr=None,  # peak LR of routing parameters; None: same as lr
+                routing_lr=placeholder(float),  # peak LR of routing parameters; unset (None): same as lr
                 warmup_steps=1000,
                 b1=0.9,
                 b2=0.95,
@@ -101,6 +108,18 @@ def base_config() -> ml_collections.ConfigDict:
             ),
         )
     )
+
+
+def _set(section: ml_collections.ConfigDict, key: str, value) -> None:
+    """`section[key] = value`, where `None` unsets the field but keeps its type, so that
+    `--config.<section>.<key>=...` still parses (config_flags cannot override a plain None)."""
+    if value is None:
+        old = section[key]
+        if old is None:  # already an unset placeholder
+            return
+        section[key] = placeholder(type(old))
+    else:
+        section.update({key: value})
 
 
 def experiment(
@@ -119,7 +138,8 @@ def experiment(
     cfg = base_config()
     cfg.scale = scale
     for section, fields in (recipe or {}).items():
-        cfg[section].update(fields)
+        for key, value in fields.items():
+            _set(cfg[section], key, value)
     cfg.model = model_config(**dict(model), residual=residual)
     validate_model_config(cfg.model)
     return cfg

@@ -219,7 +219,10 @@ def main(argv):
     print(f"[{n} tokens in {elapsed:.1f} s, compilation included]", file=sys.stderr)
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
+def cli() -> None:
+    """The command line (`python -m deltares.generate`, `deltares-generate`); flags only here, so modules
+    import side by side."""
+    global _CHECKPOINT, _PROMPT, _PROMPT_FILE, _MAX_NEW, _MIN_NEW, _TEMP, _TOP_K, _TOP_P, _STOP, _NUM, _SEED
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run directory, step directory or Hugging Face directory.")
     _PROMPT = flags.DEFINE_multi_string("prompt", None, "The text to continue; give it several times for a batch.")
     _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Prompts, one per line (a .jsonl file: one JSON string "
@@ -233,4 +236,10 @@ if __name__ == "__main__":  # flags only for the command line, so modules import
                                       "may be given several times; \\n and \\t are a newline and a tab.")
     _NUM = flags.DEFINE_integer("num_samples", 1, "Continuations to sample per prompt.")
     _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
-    app.run(main)
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

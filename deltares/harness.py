@@ -202,8 +202,12 @@ class DeltaresLM(TemplateLM):
 
 
 def main() -> None:
+    """The command line (`python -m deltares.harness`, `deltares-harness`): lm-eval's, with `deltares` registered."""
     from lm_eval.__main__ import cli_evaluate
 
+    from deltares import entry
+
+    entry.quiet_libtpu_off_tpu()
     try:
         cli_evaluate()
     except (OSError, ValueError) as err:  # bad model arguments, a missing checkpoint or task

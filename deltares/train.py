@@ -3,11 +3,14 @@
     python -m deltares.train --config experiments/tiny.py:delta_block --workdir runs/demo
     python -m deltares.train --config experiments/s220m.py:delta --workdir runs/x \
         --config.data.dataset=data/fineweb --config.train.steps=200
+    python -m deltares.train --config experiments/s7b6.py:delta_block --config.data.dataset=DATA --dry_run
 
 Resumes automatically from the newest checkpoint in `--workdir`. SIGTERM or SIGINT
-saves a checkpoint and exits cleanly; a resumed run continues with exactly the
+saves a checkpoint and exits cleanly (with several processes, SIGTERM to any one: all save
+the same step, see `StopRequest`); a resumed run continues with exactly the
 losses an uninterrupted one would have had (data order included). Writes
-`metrics.jsonl`, TensorBoard events and checkpoints into the workdir.
+`metrics.jsonl`, TensorBoard events and checkpoints into the workdir. `--dry_run` checks a
+command without training (see `dry_run`): nothing is read, allocated or written.
 """
 
 from __future__ import annotations
@@ -19,22 +22,26 @@ import signal
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
 from deltares import hf, paths
 from deltares.checkpoint import Checkpointer, load_checkpoint
+from deltares.config import validate_model_config
 from deltares.data.dataset import TokenData, eval_batches, train_dataset, train_iterator
 from deltares.data.prepare import BUILTIN, DataError, prepare
 from deltares.eval import evaluate, run_dataset_path, run_tokenizer
 from deltares.memory import PeakMemory
-from deltares.metrics import MetricsWriter, model_flops_per_token, peak_flops_per_device
-from deltares.sharding import MeshStep, make_mesh, shard_batch, sharded_train_step
+from deltares.metrics import MetricsWriter, Profiler, mfu, model_flops_per_token, peak_flops_per_device
+from deltares.sharding import LOGICAL_RULES, MeshStep, make_mesh, shard_batch, sharded_train_step
 from deltares.steps import make_eval_step, make_stats_step
+from deltares.wandb_tracker import TrackerError, open_tracker
 
 
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.
@@ -42,7 +49,19 @@ RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "train.global_ba
 
 
 def initialize_distributed() -> None:
-    """Joins the other hosts of a multi-host job (TPU pod slice, SLURM, ...); nothing on one host."""
+    """Joins the other processes of a multi-host job; nothing on one host. A TPU pod slice (or SLURM,
+    Open MPI, Kubernetes) is found by jax itself; elsewhere `JAX_COORDINATOR_ADDRESS=host:port`,
+    `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` name the job (jax 0.10 reads only the first)."""
+    env = os.environ
+    if "JAX_NUM_PROCESSES" in env or "JAX_PROCESS_ID" in env:
+        try:
+            address, count, index = env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
+        except (KeyError, ValueError):
+            raise TrainError(
+                "set JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID together (integers)"
+            ) from None
+        jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
+        return
     try:
         jax.distributed.initialize()
     except (ValueError, RuntimeError) as err:  # no cluster detected: a single-host run
@@ -51,7 +70,9 @@ def initialize_distributed() -> None:
 
 
 def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A status line on stderr, from process 0 only (the others would repeat it)."""
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 class TrainError(RuntimeError):
@@ -77,16 +98,61 @@ def check_train_config(cfg) -> None:
         raise TrainError(f"config.train.global_batch={t.global_batch} is not divisible by micro_batches={t.micro_batches}")
     if not isinstance(cfg.data.seq_len, int) or cfg.data.seq_len < 1:
         raise TrainError(f"config.data.seq_len={cfg.data.seq_len!r} must be a positive integer")
+    profile = tuple(t.get("profile_steps") or ())
+    if profile and not (
+        len(profile) == 2 and all(type(s) is int for s in profile) and 1 <= profile[0] < profile[1]
+    ):
+        raise TrainError(
+            f"config.train.profile_steps={t.profile_steps!r} must be (start, end), integers with 1 <= start < end"
+        )
+    if not cfg.data.dataset:  # unset in the paper-scale experiments: the command line names it
+        raise TrainError(
+            "config.data.dataset is not set: prepare a corpus with `python -m deltares.data.prepare --out DIR` "
+            "and pass --config.data.dataset=DIR (or 'builtin' for the shipped Moby-Dick)"
+        )
+
+
+def dry_run(cfg) -> dict:
+    """Everything a run checks before its first step, on abstract values only: the config
+    validated, the model's parameters and one train step of the experiment's global batch
+    built with `jax.eval_shape` (the real sharded step over `config.mesh` on the local
+    devices). Neither the dataset nor `init_from*` is read and nothing is written."""
+    check_train_config(cfg)
+    try:
+        validate_model_config(cfg.model)
+        mesh = make_mesh(cfg.mesh)
+        training = sharded_train_step(cfg, mesh)
+    except ValueError as err:
+        raise TrainError(str(err)) from None
+    t, seq_len = cfg.train, cfg.data.seq_len
+    if t.global_batch % (ways := mesh.shape["data"] * mesh.shape["fsdp"]):
+        raise TrainError(f"config.train.global_batch={t.global_batch} does not split over data x fsdp = {ways} devices")
+    batch = jax.ShapeDtypeStruct((t.global_batch, seq_len + 1), jnp.int32, sharding=training.batch_sharding)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
+        state, out = jax.eval_shape(training.step.fn, training.abstract_state, batch)
+
+    def nbytes(tree, per_device=False):
+        return sum(
+            math.prod(x.sharding.shard_shape(x.shape) if per_device else x.shape) * x.dtype.itemsize
+            for x in jax.tree.leaves(tree)
+        )
+
+    tokens = t.global_batch * seq_len
+    return {
+        "params": sum(x.size for x in jax.tree.leaves(state["params"])),
+        "state_bytes": nbytes(state),
+        "state_bytes_per_device": nbytes(training.abstract_state, per_device=True),
+        "tokens_per_step": tokens,
+        "flops_per_step": model_flops_per_token(cfg.model, seq_len) * tokens,
+        "mesh": ", ".join(f"{axis} {size}" for axis, size in mesh.shape.items()),
+        "devices": f"{jax.device_count()} {jax.devices()[0].platform}",
+        "outputs": {k: str(v.dtype) + str(list(v.shape)) for k, v in out.items()},
+    }
 
 
 def open_dataset(cfg, workdir: str) -> TokenData:
     """The prepared dataset of the config; the built-in corpus is prepared once (see run_dataset_path)."""
     path = cfg.data.dataset
-    if not path:
-        raise TrainError(
-            "config.data.dataset is not set: prepare a corpus with `python -m deltares.data.prepare --out DIR` "
-            "and pass --config.data.dataset=DIR (or 'builtin' for the shipped Moby-Dick)"
-        )
     if path == BUILTIN:
         try:
             tokenizer = run_tokenizer(cfg)
@@ -160,14 +226,29 @@ def _init_from(path: str, params):
 
 
 class StopRequest:
-    """Turns SIGTERM / SIGINT into a flag the loop checks after every step."""
+    """Turns SIGTERM / SIGINT into a stop that the loop asks for after every step (`at`).
+
+    One process: a flag set by the signal. Several: SIGTERM to any one of them is a preemption
+    notice for jax's preemption service (installed by `jax.distributed.initialize`), which picks
+    the same step on every process (`reached_preemption_sync_point`), so that all save it together
+    and none is left waiting in a collective; SIGINT is passed on to it as a SIGTERM."""
 
     def __init__(self):
         self.signal = None
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.multiprocess = jax.process_count() > 1
+        signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
 
     def _handle(self, signum, frame):
         self.signal = signal.Signals(signum).name
+        if self.multiprocess:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def at(self, step: int) -> str | None:
+        """The signal to stop for after `step` (save it, then return), or None. Call once per step, every step."""
+        if not self.multiprocess:
+            return self.signal
+        return (self.signal or "SIGTERM") if multihost_utils.reached_preemption_sync_point(step) else None
 
     def restore(self):
         for s, handler in self._previous.items():
@@ -233,13 +314,19 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     eval_step = MeshStep(jax.jit(make_eval_step(model)), mesh)
     stats_step = MeshStep(jax.jit(make_stats_step(model)), mesh)
     all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
-    writer = MetricsWriter(workdir, resume_step=start)
+    config_record = config_json(cfg)
+    try:
+        tracker = open_tracker(t.wandb, workdir, config_record)  # None unless config.train.wandb.project
+    except TrackerError as err:
+        raise TrainError(str(err)) from None
+    writer = MetricsWriter(workdir, resume_step=start, tracker=tracker)
+    profiler = Profiler(workdir, t.profile_steps, t.profile_all_processes)
     peak_memory = PeakMemory(train_step)  # device high-water mark, else the compiled step's footprint
     tokens_per_step = t.global_batch * cfg.data.seq_len
     flops_per_step = model_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-    peak = peak_flops_per_device(t.peak_tflops) * jax.device_count()
+    peak = peak_flops_per_device(t.peak_tflops)
+    peak = peak and peak * jax.device_count()  # None for an unknown device: mfu is null
     bpt = data.bytes_per_token("val")
-    config_record = config_json(cfg)
 
     def save(step):
         try:
@@ -251,21 +338,24 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
             ) from None
 
     stop = StopRequest()
-    bar = tqdm(total=t.steps, initial=start, unit="step", desc="train", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=t.steps, initial=start, unit="step", desc="train", dynamic_ncols=True, file=sys.stderr,
+               disable=jax.process_index() != 0)
     pending, last_eval = [], {}  # (step, device outputs) since the last log
     step, timed, window_start = start, 0, time.perf_counter()  # throughput window, compilation excluded
     try:
         while step < t.steps:
+            profiler.before(step + 1)
             batch = next(data_iter)
             state, out = train_step(state, shard_batch(batch, training.batch_sharding))
             step += 1
             bar.update(1)
             pending.append((step, out))
+            profiler.after(step, out)
             if step == start + 1:
                 jax.block_until_ready(out)
                 timed, window_start = -1, time.perf_counter()
             timed += 1
-            stopping = stop.signal  # read once: a signal arriving later in this step is handled next step
+            stopping = stop.at(step)  # read once: a signal arriving later in this step is handled next step
             boundary = step % t.log_every == 0 or step == t.steps or stopping
             save_now = step % t.checkpoint_every == 0 or step == t.steps or stopping
             if boundary or save_now:
@@ -288,14 +378,14 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
                     "grad_norm": norms[-1],
                     "tokens_per_s": tokens_per_step / step_time,
                     "step_time_s": step_time,
-                    "mfu": flops_per_step / step_time / peak,
+                    "mfu": mfu(flops_per_step, step_time, peak),
                     "tokens_seen": step * tokens_per_step,
                 }
                 if step % t.eval_every == 0 or step == t.steps:
                     last_eval = evaluate(eval_step, state["params"], val, bpt)
                     record.update(last_eval)
                 if t.stats_every and step % t.stats_every == 0:
-                    stats = jax.device_get(stats_step(state["params"], batch))
+                    stats = jax.device_get(stats_step(state["params"], shard_batch(batch, training.batch_sharding)))
                     record["routing_max_weight"] = stats["max_weight"].round(4).tolist()
                     record["routing_entropy"] = stats["entropy"].round(4).tolist()
                 if (peak_bytes := peak_memory(state, shard_batch(batch, training.batch_sharding))) is not None:
@@ -310,35 +400,65 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
             if stopping:
                 ckpt.wait()
                 bar.close()
-                print(f"{stopping}: saved step {step} to {ckpt.directory}; rerun the same command to resume.")
+                if jax.process_index() == 0:
+                    print(f"{stopping}: saved step {step} to {ckpt.directory}; rerun the same command to resume.")
                 return {"step": step, "stopped": stopping, **last_eval}
         if not last_eval:  # resumed a finished run: report its final evaluation
             last_eval = evaluate(eval_step, state["params"], val, bpt)
     finally:
         stop.restore()
         bar.close()
+        profiler.stop()
         writer.close()
     return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(data.tokens("train"), data.tokens("val"), data.vocab_size)}
 
 
+def print_dry_run(cfg, r: dict) -> None:
+    print(
+        f"dry run of {cfg.scale} {cfg.model.residual.mode}: config valid; {r['params']:,} parameters "
+        f"({r['params'] / 1e6:.1f}M); train state {r['state_bytes'] / 2**30:.2f} GiB "
+        f"({r['state_bytes_per_device'] / 2**30:.2f} GiB per device; mesh {r['mesh']} on {r['devices']})\n"
+        f"train step (abstract): {cfg.train.global_batch} x {cfg.data.seq_len} = {r['tokens_per_step']:,} tokens, "
+        f"{r['flops_per_step']:.3g} model FLOPs per step; outputs {r['outputs']}; nothing allocated or written"
+    )
+
+
 def main(argv):
     del argv
-    if _CONFIG.value is None or not _WORKDIR.value:
+    if _CONFIG.value is None or not (_WORKDIR.value or _DRY_RUN.value):
         raise app.UsageError("--config and --workdir are required")
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every save at INFO
-    initialize_distributed()
+    if _DRY_RUN.value:
+        try:
+            print_dry_run(_CONFIG.value, dry_run(_CONFIG.value))
+        except (TrainError, DataError) as err:
+            sys.exit(f"error: {err}")
+        return
     try:
+        initialize_distributed()
         result = train(_CONFIG.value, _WORKDIR.value)
     except (TrainError, DataError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
-    if "val_ppl" in result and "unigram_ppl" in result:
+    if "val_ppl" in result and "unigram_ppl" in result and jax.process_index() == 0:
         print(
             f"step {result['step']}: validation loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}, "
             f"bits/byte {result['val_bpb']:.4f}; unigram perplexity of the corpus {result['unigram_ppl']:.2f}"
         )
 
 
-if __name__ == "__main__":  # flags only for the command line, so modules import side by side
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py:delta_block.")
+def cli() -> None:
+    """The command line (`python -m deltares.train`, `deltares-train`); flags only here, so modules
+    import side by side."""
+    global _CONFIG, _WORKDIR, _DRY_RUN
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", None, "Experiment file, e.g. experiments/tiny.py:delta_block (or a shipped one by name: tiny:delta_block)."
+    )
     _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard events.")
-    app.run(main)
+    _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config and build one abstract train step; no run.")
+    from deltares import entry
+
+    entry.run(main)
+
+
+if __name__ == "__main__":
+    cli()

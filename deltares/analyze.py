@@ -40,16 +40,16 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from deltares.checkpoint import load_checkpoint
-from deltares.config import BLOCK_MODES, REPLACEMENT_MODES
+from deltares.training.checkpoint import load_checkpoint
+from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches
 from deltares.data.prepare import DataError
 from deltares.eval import run_dataset_path, text_tokens
-from deltares.inference import check_params
-from deltares.layers import DepthRouter
-from deltares.metrics import read_metrics
-from deltares.model import Transformer
-from deltares.residual import plan_for
+from deltares.interop.inference import check_params
+from deltares.nn.layers import DepthRouter
+from deltares.training.metrics import read_metrics
+from deltares.nn.model import Transformer
+from deltares.nn.residual import plan_for
 
 # Routing sharpness reported by the Delta AttnRes paper (PAPER_RESULTS.md): deep-layer max weight
 # over cumulative sources (Kimi AttnRes) and over deltas.

@@ -5,7 +5,7 @@
         --config.model.remat=full --json
     python -m deltares.aot --config experiments/debug.py --topology v5e:2x2 --mesh 1,2,2
 
-The train step is the one `deltares.train` runs (`deltares.sharding.sharded_train_step`:
+The train step is the one `deltares.train` runs (`deltares.training.sharding.sharded_train_step`:
 forward, backward, gradient clipping and the AdamW update, the state donated), lowered for
 the experiment's global batch and sequence length and compiled by the TPU compiler of
 `libtpu` (a PyPI wheel, pinned in requirements.txt) for compile-only devices of the
@@ -48,7 +48,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from deltares import entry
-from deltares.memory import compiled_bytes
+from deltares.training.memory import compiled_bytes
 
 GIB = 2**30
 
@@ -250,8 +250,8 @@ def _per_device_bytes(abstract_tree) -> int:
 
 
 def _training(cfg, mesh):
-    """(step, abstract_state, batch_sharding) of deltares.sharding for `cfg` on `mesh`."""
-    from deltares.sharding import sharded_train_step
+    """(step, abstract_state, batch_sharding) of deltares.training.sharding for `cfg` on `mesh`."""
+    from deltares.training.sharding import sharded_train_step
 
     out = sharded_train_step(cfg, mesh)
     if hasattr(out, "step"):
@@ -262,12 +262,12 @@ def _training(cfg, mesh):
 
 def _trace(step, *args):
     """`jax.stages.Traced` of the sharded step: traced as `step.lower` traces it (in its mesh and
-    the logical axis rules of deltares.sharding)."""
+    the logical axis rules of deltares.training.sharding)."""
     if hasattr(step, "trace"):
         return step.trace(*args)
     import flax.linen as nn
 
-    from deltares.sharding import LOGICAL_RULES
+    from deltares.training.sharding import LOGICAL_RULES
 
     with jax.set_mesh(step.mesh), nn.logical_axis_rules(LOGICAL_RULES):
         return step.fn.trace(*args)
@@ -275,8 +275,8 @@ def _trace(step, *args):
 
 def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: str = "") -> dict:
     """Compiles the train step of `cfg` for `topology` and returns the report (see module doc)."""
-    from deltares.metrics import model_flops_per_token
-    from deltares.sharding import make_mesh
+    from deltares.training.metrics import model_flops_per_token
+    from deltares.training.sharding import make_mesh
 
     devices = topology_devices(topology)
     mesh_cfg = _mesh_config(cfg, mesh_override)

@@ -4,13 +4,13 @@
     python -m deltares.bench --config experiments/s220m.py --modes baseline,delta_block --batch 4 --seq_len 2048
     python -m deltares.bench --config experiments/tiny.py --config.model.remat=full   # any config override
 
-Times the real train step (`deltares.sharding.sharded_train_step`: forward, backward,
+Times the real train step (`deltares.training.sharding.sharded_train_step`: forward, backward,
 optimizer update, donated state) on the default backend (the CPU, or any accelerator
 present, over `config.mesh`). Each mode's step is lowered and compiled once (the
 compile time reported), run once to warm up, then timed in interleaved rounds (every
 mode `--steps` times per round) so that slow drift of a shared machine hits every mode
 alike; the median step is reported, with tokens/s, MFU (model FLOPs as in
-`deltares.metrics`; on a CPU against a nominal peak, so only the ratios mean much) and
+`deltares.training.metrics`; on a CPU against a nominal peak, so only the ratios mean much) and
 the compiled step's memory (`memory_analysis()`: arguments, i.e. state and batch, and
 temporaries). `--batch` and `--seq_len` default to the config's. Where the device
 reports memory statistics (GPU, TPU), the process's peak is printed at the end: it
@@ -29,10 +29,10 @@ import numpy as np
 from absl import flags, logging
 from ml_collections import config_flags
 
-from deltares.config import MODES
-from deltares.memory import compiled_bytes, device_peak_bytes
-from deltares.metrics import mfu, model_flops_per_token, peak_flops_per_device
-from deltares.sharding import make_mesh, shard_batch, sharded_train_step
+from deltares.nn.config import MODES
+from deltares.training.memory import compiled_bytes, device_peak_bytes
+from deltares.training.metrics import mfu, model_flops_per_token, peak_flops_per_device
+from deltares.training.sharding import make_mesh, shard_batch, sharded_train_step
 
 
 class BenchError(ValueError):

@@ -21,8 +21,8 @@ import sys
 from absl import flags
 
 from deltares.analyze import AnalysisError
-from deltares.metrics import read_metrics
-from deltares.checkpoint import load_checkpoint
+from deltares.training.metrics import read_metrics
+from deltares.training.checkpoint import load_checkpoint
 
 # The paper's column order and names (PAPER_RESULTS.md, first table).
 PAPER_COLUMNS = {

@@ -9,7 +9,7 @@
     # a trained deltares run out to Hugging Face (tokenizer from the run's dataset)
     python -m deltares.convert --checkpoint runs/ft_delta_block --out exported [--dtype bfloat16]
 
-Tensor names and config.json fields: see `deltares.hf`. Every input is checked before
+Tensor names and config.json fields: see `deltares.interop.hf`. Every input is checked before
 anything is written.
 """
 
@@ -21,9 +21,9 @@ import sys
 import ml_collections
 from absl import app, flags, logging
 
-from deltares import hf
-from deltares.checkpoint import Checkpointer, load_checkpoint
-from deltares.configs import base_config
+from deltares.interop import hf
+from deltares.training.checkpoint import Checkpointer, load_checkpoint
+from deltares.training.configs import base_config
 from deltares.data.dataset import TokenData
 from deltares.eval import run_dataset_path
 

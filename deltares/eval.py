@@ -28,12 +28,12 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from deltares.checkpoint import load_checkpoint
+from deltares.training.checkpoint import load_checkpoint
 from deltares.data.dataset import TokenData, Windows, eval_batches
 from deltares.data.prepare import BUILTIN, DataError, document_bytes, encode_documents, read_documents
-from deltares.model import Transformer
-from deltares.paths import builtin_dataset_dir
-from deltares.steps import make_eval_step
+from deltares.nn.model import Transformer
+from deltares.data.paths import builtin_dataset_dir
+from deltares.training.steps import make_eval_step
 
 FROM_HF = "init_from_hf"  # config.data.tokenizer value: the tokenizer of config.init_from_hf
 
@@ -83,7 +83,7 @@ def run_tokenizer(config) -> str:
 
 def run_dataset_path(config, workdir: str) -> str:
     """The prepared dataset a run trains on; the built-in corpus is prepared into the run
-    directory, or a local cache for a run on a bucket (deltares.paths.builtin_dataset_dir)."""
+    directory, or a local cache for a run on a bucket (deltares.data.paths.builtin_dataset_dir)."""
     path = config["data"]["dataset"]
     return builtin_dataset_dir(workdir, run_tokenizer(config)) if path == BUILTIN else path
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from deltares.inference import load_model
-from deltares.model import init_cache
+from deltares.interop.inference import load_model
+from deltares.nn.model import init_cache
 
 
 class Sampling(NamedTuple):

@@ -32,10 +32,10 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from deltares.config import DTYPES
+from deltares.nn.config import DTYPES
 from deltares.generate import bucket, generate
-from deltares.inference import load_model
-from deltares.model import Transformer
+from deltares.interop.inference import load_model
+from deltares.nn.model import Transformer
 
 
 def parse_batch_size(value) -> int | str:

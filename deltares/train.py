@@ -31,17 +31,18 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from deltares import hf, paths
-from deltares.checkpoint import Checkpointer, load_checkpoint
-from deltares.config import validate_model_config
+from deltares.interop import hf
+from deltares.data import paths
+from deltares.training.checkpoint import Checkpointer, load_checkpoint
+from deltares.nn.config import validate_model_config
 from deltares.data.dataset import TokenData, eval_batches, train_dataset, train_iterator
 from deltares.data.prepare import BUILTIN, DataError, prepare
 from deltares.eval import evaluate, run_dataset_path, run_tokenizer
-from deltares.memory import PeakMemory
-from deltares.metrics import MetricsWriter, Profiler, mfu, model_flops_per_token, peak_flops_per_device
-from deltares.sharding import LOGICAL_RULES, MeshStep, make_mesh, shard_batch, sharded_train_step
-from deltares.steps import make_eval_step, make_stats_step
-from deltares.wandb_tracker import TrackerError, open_tracker
+from deltares.training.memory import PeakMemory
+from deltares.training.metrics import MetricsWriter, Profiler, mfu, model_flops_per_token, peak_flops_per_device
+from deltares.training.sharding import LOGICAL_RULES, MeshStep, make_mesh, shard_batch, sharded_train_step
+from deltares.training.steps import make_eval_step, make_stats_step
+from deltares.training.wandb_tracker import TrackerError, open_tracker
 
 
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.

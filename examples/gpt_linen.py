@@ -22,8 +22,8 @@ import optax
 
 from deltares.data.dataset import TokenData, train_dataset
 from deltares.data.prepare import BUILTIN, prepare
-from deltares.layers import DepthRouter
-from deltares.routed import DepthRouting
+from deltares.nn.layers import DepthRouter
+from deltares.nn.routed import DepthRouting
 
 init = nn.initializers.normal(stddev=0.02)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from deltares.nnx import DepthRouter
+from deltares.nn.nnx import DepthRouter
 from examples.gpt_linen import GPTConfig, builtin_batches, loss_fn, rms_norm, rope
 
 init = nnx.initializers.normal(stddev=0.02)

@@ -22,7 +22,7 @@ Delta AttnRes 55.6%.
 import os
 import runpy
 
-from deltares.configs import experiment
+from deltares.training.configs import experiment
 
 # The pretrained shape, read from the file beside this one (not imported as `experiments.`: experiment
 # files load from any directory, and installed they live in the package, see deltares.entry).

@@ -20,7 +20,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from deltares import checkpoint  # noqa: E402
+from deltares.training import checkpoint  # noqa: E402
 from deltares.data import dataset  # noqa: E402
 
 RECORD = os.environ["DELTARES_TEST_RECORD"]

@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 
 from deltares.analyze import AnalysisError, Run, analyze, analyze_run, source_names
-from deltares.checkpoint import load_checkpoint
+from deltares.training.checkpoint import load_checkpoint
 from deltares.compare import compare
 from deltares.data.dataset import TokenData, eval_batches
 from deltares.data.prepare import prepare
 from deltares.eval import evaluate_checkpoint
-from deltares.model import Transformer
-from deltares.steps import make_stats_step
+from deltares.nn.model import Transformer
+from deltares.training.steps import make_stats_step
 from deltares.train import train
 
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from deltares.configs import parse_variant
-from deltares.model import Transformer
+from deltares.training.configs import parse_variant
+from deltares.nn.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALES = ["debug", "tiny", "s220m", "s533m", "s1044m", "qwen3_0p6b", "s7b6"]
@@ -215,7 +215,7 @@ def test_unset_fields_override_from_the_command_line(scale, mode):
 def test_unset_routing_lr_means_the_model_lr():
     import numpy as np
 
-    from deltares.optim import make_optimizer
+    from deltares.training.optim import make_optimizer
 
     params = {"attn_router": {"query": np.zeros(4, np.float32)}, "w": np.zeros((4, 4), np.float32)}
     for routing_lr, expected in ((None, 3e-3), (1e-2, 1e-2)):

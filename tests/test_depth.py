@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deltares.config import model_config
-from deltares.losses import lm_loss
-from deltares.model import Transformer
-from deltares.residual import make_plan
+from deltares.nn.config import model_config
+from deltares.nn.losses import lm_loss
+from deltares.nn.model import Transformer
+from deltares.nn.residual import make_plan
 
 ROUTED = ["full_attnres", "block_attnres", "delta", "delta_block"]
 

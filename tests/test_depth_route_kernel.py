@@ -1,5 +1,5 @@
 """The fused depth-routing kernels (kernels_pallas.depth_route) against the oracle
-`deltares.routing.depth_route`: forward and gradients in interpret mode on CPU, dispatch and
+`deltares.nn.routing.depth_route`: forward and gradients in interpret mode on CPU, dispatch and
 fallback, bad input, the TPU kernel compiled ahead of time for a TPU slice (in a subprocess,
 as in test_aot.py) and the GPU kernel lowered to Triton IR for CUDA.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from deltares import routing
+from deltares.nn import routing
 from kernels_pallas.depth_route import api, depth_route, pallas_gpu, pallas_tpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,9 +245,9 @@ def test_model_with_kernel_equals_xla(mode, impl, norm_eps, monkeypatch):
     through the scanned, rematerialised depth pass (the store-once backward) with a gate. With
     norm_eps=1e-3 the embedding (a source of every router) has RMS ~1e-2, so the kernel must
     take config.model.norm_eps: with the default eps its routing would differ."""
-    from deltares.config import model_config
-    from deltares.losses import lm_loss
-    from deltares.model import Transformer
+    from deltares.nn.config import model_config
+    from deltares.nn.losses import lm_loss
+    from deltares.nn.model import Transformer
 
     calls = {"forward": 0, "backward": 0}  # the kernel really runs (no silent fallback to xla)
     backend = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl]

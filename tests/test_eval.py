@@ -1,4 +1,4 @@
-"""Evaluation (`deltares.eval`) and parameters-only checkpoint loading (`deltares.checkpoint`).
+"""Evaluation (`deltares.eval`) and parameters-only checkpoint loading (`deltares.training.checkpoint`).
 
 References are written here independently of the code under test: documents are split by
 hand with `re` and their bytes counted with `len(text.encode("utf-8"))`, tokens come from the
@@ -26,12 +26,12 @@ import pytest
 import tensorstore as ts
 
 from jax_cache import ENV, ROOT
-from deltares.checkpoint import Checkpointer, load_checkpoint
+from deltares.training.checkpoint import Checkpointer, load_checkpoint
 from deltares.data.dataset import TokenData
 from deltares.data.prepare import DataError, builtin_path, prepare
 from deltares.eval import evaluate_checkpoint
-from deltares.model import Transformer
-from deltares.steps import build, make_init, make_train_step
+from deltares.nn.model import Transformer
+from deltares.training.steps import build, make_init, make_train_step
 
 N_DOCS = 14  # the first paragraphs of Moby-Dick (../shared/corpora/mobydick.txt.gz, shipped as the built-in corpus)
 VAL_FRACTION = 0.25
@@ -245,7 +245,7 @@ def test_sharded_params_only_restore(run, tmp_path):
 
 def _sharded_worker(workdir: str, out: str) -> None:
     """Loads `workdir` onto data=2, fsdp=2, tensor=2; prints shardings, saves gathered values."""
-    from deltares.sharding import make_mesh, sharded_train_step
+    from deltares.training.sharding import make_mesh, sharded_train_step
 
     mesh = make_mesh(dict(data=2, fsdp=2, tensor=2))
     loaded = load_checkpoint(workdir, mesh=mesh)

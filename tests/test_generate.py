@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deltares.config import MODES, model_config
+from deltares.nn.config import MODES, model_config
 from deltares.convert import hf_to_workdir
 from deltares.generate import generate, read_prompts, sample_logits
-from deltares.inference import load_model
-from deltares.model import Transformer, init_cache
+from deltares.interop.inference import load_model
+from deltares.nn.model import Transformer, init_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

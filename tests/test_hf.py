@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3 import/export and exact conversion (deltares.hf, deltares.convert).
+"""Hugging Face Qwen3 import/export and exact conversion (deltares.interop.hf, deltares.convert).
 
 The fixtures in tests/fixtures/ were written by `transformers` (tests/make_qwen3_fixtures.py),
 with the logits `transformers` computes for a fixed input: they are the independent reference.
@@ -19,11 +19,11 @@ import optax
 import pytest
 import safetensors.numpy
 
-from deltares import hf
-from deltares.config import MODES, model_config
-from deltares.losses import lm_loss
-from deltares.model import Transformer
-from deltares.safetensors_io import SafetensorsFile, write
+from deltares.interop import hf
+from deltares.nn.config import MODES, model_config
+from deltares.nn.losses import lm_loss
+from deltares.nn.model import Transformer
+from deltares.interop.safetensors_io import SafetensorsFile, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -292,7 +292,7 @@ def test_convert_cli_round_trip(tmp_path):
 def test_finetune_from_hf_lowers_the_loss(tmp_path):
     """Step 0 of `train` with init_from_hf (converted delta_block, gate 0) has the pretrained
     model's loss on its first batch, and fine-tuning lowers it. The reference loss is the plain
-    baseline import's (deltares.hf.from_hf), which test_baseline_import_matches_transformers
+    baseline import's (deltares.interop.hf.from_hf), which test_baseline_import_matches_transformers
     checks against the logits `transformers` computed; a random init gives another loss."""
     from deltares.data.dataset import TokenData, train_dataset
     from deltares.eval import run_dataset_path
@@ -326,7 +326,7 @@ def test_finetune_from_hf_lowers_the_loss(tmp_path):
     assert abs(random_init - pretrained) > 0.1, (random_init, pretrained)  # the check sees unloaded weights
     assert last < first - 0.2, (first, last)
     assert np.isfinite(result["val_ppl"])
-    from deltares.checkpoint import load_checkpoint
+    from deltares.training.checkpoint import load_checkpoint
 
     params = load_checkpoint(str(tmp_path)).state["params"]
     assert float(np.abs(params["layers_2"]["mlp_router"]["gate"]).max()) > 0  # routing moved off the identity

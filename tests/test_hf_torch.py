@@ -1,4 +1,4 @@
-"""Routed Hugging Face exports run in PyTorch (deltares/hf_remote/, written by deltares.hf.to_hf).
+"""Routed Hugging Face exports run in PyTorch (deltares/interop/hf_remote/, written by deltares.interop.hf.to_hf).
 
 For every residual mode (and the gate and null-source options), a tiny model with random,
 non-trivial routing parameters is exported, loaded by `transformers` with
@@ -22,10 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from deltares import hf  # noqa: E402
-from deltares.config import model_config  # noqa: E402
+from deltares.interop import hf  # noqa: E402
+from deltares.nn.config import model_config  # noqa: E402
 from deltares.convert import hf_to_hf  # noqa: E402
-from deltares.model import Transformer  # noqa: E402
+from deltares.nn.model import Transformer  # noqa: E402
 
 PROMPT, NEW = 6, 4
 VARIANTS = {

@@ -95,6 +95,8 @@ def test_wheel_holds_every_package_file_and_the_experiments(wheel):
     experiments = {f for f in _package_files(os.path.join(ROOT, "experiments")) if f.endswith(".py")}
     assert experiments and {f"deltares/experiments/{f}" for f in experiments} <= names
     assert {"deltares/data/assets/mobydick.txt.gz", "deltares/data/assets/gpt2_tokenizer.json.gz"} <= names
+    assert {"deltares/nn/model.py", "deltares/training/steps.py", "deltares/data/dataset.py", "deltares/interop/hf.py",
+            "deltares/interop/hf_remote/modeling_deltares_qwen3.py", "deltares/train.py"} <= names  # the layout by role
     assert not [n for n in names if "__pycache__" in n or n.startswith(("tests/", "experiments/"))]
     metadata = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(metadata).decode()
@@ -129,10 +131,11 @@ def test_wheel_installs_and_runs_outside_the_repository(wheel, tmp_path):
     api = _run([python, "-c", """if True:
         import json, jax.numpy as jnp, numpy as np
         import deltares, kernels_pallas
-        from deltares import entry, hf
-        from deltares.configs import experiment
+        from deltares import entry
+        from deltares.interop import hf
+        from deltares.training.configs import experiment
         from deltares.data.tokenizer import load_tokenizer
-        from deltares.routing import depth_route
+        from deltares.nn.routing import depth_route
         from deltares.train import train
         from kernels_pallas.depth_route import depth_route as kernel_route
         sources, valid = jnp.arange(24.0).reshape(2, 1, 3, 4) / 24, jnp.array([True, True])
@@ -181,7 +184,7 @@ def test_import_changes_no_environment_variable(tmp_path):
         before = dict(os.environ)
         import kernels_pallas
         names = [m.name for p in (deltares, kernels_pallas) for m in pkgutil.walk_packages(p.__path__, p.__name__ + ".")
-                 if not m.name.startswith("deltares.hf_remote")]  # PyTorch templates, not imported by deltares
+                 if not m.name.startswith("deltares.interop.hf_remote")]  # PyTorch templates, not imported by deltares
         for name in names:
             importlib.import_module(name)
         print(json.dumps(dict(package=package, modules=changed(before), names=names)))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deltares.losses import head_token_nll, masked_mean
+from deltares.nn.losses import head_token_nll, masked_mean
 
 jax.config.update("jax_enable_x64", False)
 

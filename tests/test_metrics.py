@@ -1,4 +1,4 @@
-"""`deltares.metrics` and `deltares.wandb_tracker`: the peak-FLOPs table against the device kinds libtpu
+"""`deltares.training.metrics` and `deltares.training.wandb_tracker`: the peak-FLOPs table against the device kinds libtpu
 reports, MFU null for an unknown device, strict-JSON `metrics.jsonl`, bucket writes that cost what
 they append (counted on a fake `gs://` filesystem), resume truncation with parts, W&B in offline
 mode, and the trainer's profiler and W&B wiring on the `debug` experiment."""
@@ -17,10 +17,11 @@ import time
 import jax
 import pytest
 
-from deltares import metrics, train as train_module
-from deltares.metrics import PEAK_FLOPS_PER_CHIP, MetricsWriter, mfu, peak_flops_per_device, read_metrics
+from deltares.training import metrics
+from deltares import train as train_module
+from deltares.training.metrics import PEAK_FLOPS_PER_CHIP, MetricsWriter, mfu, peak_flops_per_device, read_metrics
 from deltares.train import TrainError, check_train_config, train
-from deltares.wandb_tracker import TrackerError, WandbTracker, flatten, open_tracker
+from deltares.training.wandb_tracker import TrackerError, WandbTracker, flatten, open_tracker
 
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
 

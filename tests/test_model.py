@@ -1,4 +1,4 @@
-"""`deltares.model.Transformer` on the debug size, for every residual mode.
+"""`deltares.nn.model.Transformer` on the debug size, for every residual mode.
 
 - the forward pass against a float64 NumPy re-implementation of DESIGN.md sections 3-4;
 - scanned layers equal unrolled layers (logits and stats);
@@ -16,9 +16,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from deltares.config import model_config
-from deltares.losses import lm_loss
-from deltares.model import Transformer
+from deltares.nn.config import model_config
+from deltares.nn.losses import lm_loss
+from deltares.nn.model import Transformer
 
 MODES = ["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]
 ROUTED_MODES = MODES[1:]

@@ -24,7 +24,7 @@ import pytest
 
 from deltares.data.dataset import TokenData
 from deltares.data.prepare import prepare
-from deltares.metrics import read_metrics
+from deltares.training.metrics import read_metrics
 from deltares.train import TrainError, initialize_distributed
 
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache

@@ -1,4 +1,4 @@
-"""Optimizer (`deltares.optim`) and train step (`deltares.steps`) on the debug model.
+"""Optimizer (`deltares.training.optim`) and train step (`deltares.training.steps`) on the debug model.
 
 Independent expectations written here:
 - the learning-rate schedule: linear warmup from 0, then a cosine from the peak to lr_min;
@@ -21,9 +21,9 @@ import numpy as np
 import optax
 import pytest
 
-from deltares.model import Transformer
-from deltares.optim import is_routing_param, make_optimizer, param_labels
-from deltares.steps import build, make_init, make_train_step
+from deltares.nn.model import Transformer
+from deltares.training.optim import is_routing_param, make_optimizer, param_labels
+from deltares.training.steps import build, make_init, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 32
@@ -80,7 +80,7 @@ def model_and_params():
 
 
 def reference_loss(model, params, tokens_BT):
-    """Mean next-token cross-entropy, written independently of deltares.losses."""
+    """Mean next-token cross-entropy, written independently of deltares.nn.losses."""
     logits = model.apply({"params": params}, tokens_BT[:, :-1]).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0]

@@ -1,4 +1,4 @@
-"""Depth routing in your own model: deltares.routed (DepthRouting), deltares.nnx and examples/.
+"""Depth routing in your own model: deltares.nn.routed (DepthRouting), deltares.nn.nnx and examples/.
 
 The hand-written GPTs of examples/ (their own attention, MLP, norms and rotary embeddings,
 linen and NNX) route through the public API; on the same weights they must compute what
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deltares.config import model_config
-from deltares.layers import DepthRouter as LinenRouter
-from deltares.layers import init_router_params
-from deltares.model import Transformer
-from deltares.nnx import DepthRouter as NNXRouter
-from deltares.routed import DepthRouting
+from deltares.nn.config import model_config
+from deltares.nn.layers import DepthRouter as LinenRouter
+from deltares.nn.layers import init_router_params
+from deltares.nn.model import Transformer
+from deltares.nn.nnx import DepthRouter as NNXRouter
+from deltares.nn.routed import DepthRouting
 from examples import gpt_linen, gpt_nnx
 
 MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")
@@ -170,7 +170,7 @@ def test_stack_store_once_equals_plain_ad_and_unrolled_loop(mode):
             np.testing.assert_allclose(g, r, atol=1e-5 * max(1.0, float(jnp.abs(r).max())), rtol=0)
     if mode != "baseline":
         assert float(jnp.abs(ref_grads[0]["routers"]["mlp"]["query"]).max()) > 1e-3
-        # the store-once path is deltares.depth.depth_scan's custom VJP, the plain path is not
+        # the store-once path is deltares.nn.depth.depth_scan's custom VJP, the plain path is not
         assert "custom_vjp_call" in str(jax.make_jaxpr(runs["store_once"])(params_L, e_BTD))
         assert "custom_vjp_call" not in str(jax.make_jaxpr(runs["plain"])(params_L, e_BTD))
 

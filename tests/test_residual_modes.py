@@ -2,8 +2,8 @@
 
 The oracle here is a plain, unrolled float64 NumPy re-implementation of a Qwen3
 decoder with the five residual modes, written from DESIGN.md sections 2-4 only.
-It deliberately imports nothing from `deltares.residual`, `deltares.routing` or
-`deltares.decoder`: sources are rebuilt from the list of deltas v_0..v_{2L-1}
+It deliberately imports nothing from `deltares.nn.residual`, `deltares.nn.routing` or
+`deltares.nn.decoder`: sources are rebuilt from the list of deltas v_0..v_{2L-1}
 for every sublayer, with no buffers, slots or masks.
 
 To make the comparison discriminating, every parameter is redrawn at O(1) scale
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deltares.config import model_config
-from deltares.model import Transformer
+from deltares.nn.config import model_config
+from deltares.nn.model import Transformer
 
 EPS = 1e-6
 MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")

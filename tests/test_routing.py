@@ -1,4 +1,4 @@
-"""`deltares.routing.depth_route` against a float64 NumPy reference written here.
+"""`deltares.nn.routing.depth_route` against a float64 NumPy reference written here.
 
     z_i = query . (gain * s_i / sqrt(mean(s_i^2) + eps))     a = softmax_i(z) over valid i
     route = sum_i a_i s_i        (+ residual for the additive modes)
@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deltares.routing import depth_route
+from deltares.nn.routing import depth_route
 
 BF16 = ml_dtypes.bfloat16
 
@@ -407,7 +407,7 @@ def test_bad_shapes_raise_value_error(case):
 @pytest.mark.parametrize("additive", [False, True])
 def test_null_source_is_one_more_source(additive):
     """The paper's null source equals routing over the buffer plus the null vector at every token."""
-    from deltares.routing import inv_rms, route_normalized
+    from deltares.nn.routing import inv_rms, route_normalized
 
     rng = np.random.default_rng(seed_of("null", additive))
     S, B, T, D = 4, 2, 3, 8

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from deltares.config import MODES
+from deltares.nn.config import MODES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from deltares.checkpoint import load_checkpoint
+from deltares.training.checkpoint import load_checkpoint
 from deltares.data.prepare import DataError, prepare
 from deltares.train import TrainError, train
 
@@ -602,7 +602,7 @@ def test_run_on_a_bucket_resumes_and_matches_local_run(reference, fake_bucket, t
     prepares the built-in corpus into the local cache, hands the bucket URL to orbax, resumes from
     it, and logs the same losses as the local reference run."""
     import deltares.train as train_module
-    from deltares.checkpoint import Checkpointer
+    from deltares.training.checkpoint import Checkpointer
 
     handed = []
 

@@ -3,7 +3,7 @@
     z_i = w . RMSNorm_g(s_i)    a = softmax_i(z) over valid sources    out = [residual +] sum_i a_i s_i
 
 `depth_route(sources, valid, query, gain, residual=None, *, implementation=None)` means what
-`deltares.routing.depth_route` means (the oracle, here the "xla" implementation) and returns
+`deltares.nn.routing.depth_route` means (the oracle, here the "xla" implementation) and returns
 the output only, in the sources' dtype. The kernels ("pallas_tpu": Mosaic, "pallas_gpu":
 Triton) make one pass over the sources per token tile: each source's 1/rms and logit against
 q = w * g, and a float32 online softmax (running max, sum and weighted sum), then the residual
@@ -41,7 +41,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from deltares import routing
+from deltares.nn import routing
 from kernels_pallas import varying_axes, vary_like
 from kernels_pallas.depth_route import reference
 

@@ -1,10 +1,10 @@
-"""The "xla" implementation: the pure-jnp oracle `deltares.routing.depth_route` (XLA autodiff)."""
+"""The "xla" implementation: the pure-jnp oracle `deltares.nn.routing.depth_route` (XLA autodiff)."""
 
 from __future__ import annotations
 
-from deltares import routing
+from deltares.nn import routing
 
 
 def depth_route(sources, valid, query, gain, residual=None, *, eps=routing.NORM_EPS):
-    """`deltares.routing.depth_route`, returning only the routed output."""
+    """`deltares.nn.routing.depth_route`, returning only the routed output."""
     return routing.depth_route(sources, valid, query, gain, residual, eps=eps)

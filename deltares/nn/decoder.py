@@ -19,11 +19,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from deltares import routing
-from deltares.config import dtype_of
-from deltares.depth import DepthState, add_delta, sublayer_input
-from deltares.layers import MLP, Attention, DepthRouter, RMSNorm
-from deltares.residual import ResidualPlan, plan_for
+from deltares.nn import routing
+from deltares.nn.config import dtype_of
+from deltares.nn.depth import DepthState, add_delta, sublayer_input
+from deltares.nn.layers import MLP, Attention, DepthRouter, RMSNorm
+from deltares.nn.residual import ResidualPlan, plan_for
 
 
 def routing_stats(weights_SBT, routed):
@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         return body(norm(x_BTD)).astype(state.h_BTD.dtype), stats
 
     def _write(self, j, state: DepthState, v_BTD, plan: ResidualPlan) -> DepthState:
-        """h_{j+1} = h_j + v_j, and v_j into sublayer j's write slot (deltares.depth.add_delta)."""
+        """h_{j+1} = h_j + v_j, and v_j into sublayer j's write slot (deltares.nn.depth.add_delta)."""
         return add_delta(plan, state, j, v_BTD, self.config.norm_eps)
 
     @nn.compact
@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
         """Returns (state, stats); with an attention `cache` (decoding, see Attention),
         (state, (stats, new cache)). With `only` (0: attention, 1: MLP), runs that sublayer
         alone on `state` and returns its delta and the delta's 1/rms, writing nothing (the
-        store-once backward, deltares.depth)."""
+        store-once backward, deltares.nn.depth)."""
         cfg = self.config
         plan = plan_for(cfg)
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from deltares.losses import lm_loss, token_nll
-from deltares.model import Transformer
-from deltares.optim import make_optimizer
+from deltares.nn.losses import lm_loss, token_nll
+from deltares.nn.model import Transformer
+from deltares.training.optim import make_optimizer
 
 
 def abstract_params(model: Transformer, seq_len: int):

@@ -3,8 +3,8 @@
 deltares supplies each sublayer's routed input, the source bookkeeping (buffer, validity,
 cached 1/rms, slot writes) and, when asked, the store-once depth pass; you supply the
 sublayers (attention, MLP: anything mapping [B, T, D] to a delta [B, T, D], pre-norm included)
-and one router per sublayer (linen `deltares.layers.DepthRouter`, NNX
-`deltares.nnx.DepthRouter`, or a parameter dict for `apply_router`). Sublayers are numbered
+and one router per sublayer (linen `deltares.nn.layers.DepthRouter`, NNX
+`deltares.nn.nnx.DepthRouter`, or a parameter dict for `apply_router`). Sublayers are numbered
 j = 0 .. 2L-1 (j = 2l: attention of layer l, j = 2l+1: its MLP), as in DESIGN.md section 2.
 
     routing = DepthRouting("delta_block", n_layers=L, block_layers=2)
@@ -15,8 +15,8 @@ j = 0 .. 2L-1 (j = 2l: attention of layer l, j = 2l+1: its MLP), as in DESIGN.md
     out_BTD = routing.output(state, final_router)   # final_router: Kimi modes only
 
 Or, for a stack of identical layers with stacked parameters, `routing.stack(...)`: a scan
-whose backward pass stores each source once (deltares.depth.depth_scan).
-This is the code deltares' own DecoderLayer and Transformer run (deltares.depth).
+whose backward pass stores each source once (deltares.nn.depth.depth_scan).
+This is the code deltares' own DecoderLayer and Transformer run (deltares.nn.depth).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from deltares import routing as routing_math
-from deltares.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
-from deltares.layers import apply_router, init_router_params
-from deltares.residual import ResidualPlan, make_plan
+from deltares.nn import routing as routing_math
+from deltares.nn.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
+from deltares.nn.layers import apply_router, init_router_params
+from deltares.nn.residual import ResidualPlan, make_plan
 
 SUBLAYERS_PER_LAYER = 2  # attention, then MLP
 
@@ -97,7 +97,7 @@ class DepthRouting:
     def layer(self, state: DepthState, layer, sublayers: Sequence[tuple[Any, Callable]], only=None):
         """Layer `layer` (may be traced): `sublayers` = [(router, f)] for attention and MLP, f(x) -> delta.
         Returns (state, None), or with `only` = k sublayer k's (delta, its 1/rms) without writing
-        (the protocol of deltares.depth.depth_scan)."""
+        (the protocol of deltares.nn.depth.depth_scan)."""
         if len(sublayers) != SUBLAYERS_PER_LAYER:
             raise ValueError(f"a layer has {SUBLAYERS_PER_LAYER} sublayers (attention, MLP), got {len(sublayers)}")
         def delta(k, state):
@@ -114,7 +114,7 @@ class DepthRouting:
     def stack(self, sublayers_of: Callable, params_L, e_BTD, *, store_once: bool = True, remat: bool = True):
         """All L layers as one scan over `params_L` (a pytree stacked on a leading L axis);
         `sublayers_of(params_l)` returns that layer's [(router, f)] (see `layer`). Returns the
-        final DepthState (then `output`). `store_once` (routed modes) runs deltares.depth.depth_scan,
+        final DepthState (then `output`). `store_once` (routed modes) runs deltares.nn.depth.depth_scan,
         whose backward pass keeps one source buffer instead of one per layer; otherwise plain AD of
         a scan, each layer rematerialised with `remat`."""
 

@@ -7,7 +7,7 @@ dimension (FSDP: gathered per layer by XLA) and over `tensor` along heads, MLP
 width and vocabulary (Megatron-style). Activations between sublayers (the stream
 and the depth-source buffer, `act_embed`) split their model dimension over
 `tensor`, so the buffer costs 1/tensor per device; depth routing then runs under
-`jax.shard_map` (deltares.layers.xla_route). A logical name whose mesh axis is already
+`jax.shard_map` (deltares.nn.layers.xla_route). A logical name whose mesh axis is already
 taken in the same array falls back to replicated, so one table serves
 parameters (`embed` -> fsdp) and activations (`batch` takes fsdp first).
 """
@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from deltares.model import Transformer
-from deltares.steps import abstract_params, build, make_init, make_train_step
+from deltares.nn.model import Transformer
+from deltares.training.steps import abstract_params, build, make_init, make_train_step
 
 MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_RULES = (

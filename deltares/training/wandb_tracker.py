@@ -17,7 +17,7 @@ import uuid
 import jax
 from etils import epath
 
-from deltares import paths
+from deltares.data import paths
 
 RUN_ID_FILE = "wandb_run_id"
 INSTALL = "pip install wandb==0.31.0 (the optional W&B requirement of requirements.txt)"

@@ -12,13 +12,13 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from deltares import hf
-from deltares.checkpoint import load_checkpoint
+from deltares.interop import hf
+from deltares.training.checkpoint import load_checkpoint
 from deltares.data.dataset import TokenData
 from deltares.data.tokenizer import load_tokenizer
 from deltares.eval import run_dataset_path
-from deltares.model import Transformer
-from deltares.steps import abstract_params
+from deltares.nn.model import Transformer
+from deltares.training.steps import abstract_params
 
 
 class LoadedModel(NamedTuple):

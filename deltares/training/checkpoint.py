@@ -17,10 +17,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from deltares import paths
-from deltares.model import Transformer
-from deltares.sharding import state_shardings
-from deltares.steps import abstract_params
+from deltares.data import paths
+from deltares.nn.model import Transformer
+from deltares.training.sharding import state_shardings
+from deltares.training.steps import abstract_params
 
 
 class Checkpointer:
@@ -102,7 +102,7 @@ def restore_params(state_dir: str, model_cfg, mesh=None) -> dict:
     """`{"params": ...}` of a saved train state: an orbax partial restore that reads no other
     array's data (the optimizer state, Adam's two moments, twice the parameters, is never read).
     On the first device, or with `mesh` each parameter split by the logical rules of `model_cfg`
-    (deltares.sharding, as training places them), so no device holds more than its shards."""
+    (deltares.training.sharding, as training places them), so no device holds more than its shards."""
     stored = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), stored_params(state_dir))
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from deltares.config import BLOCK_MODES, MODES, REPLACEMENT_MODES
+from deltares.nn.config import BLOCK_MODES, MODES, REPLACEMENT_MODES
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

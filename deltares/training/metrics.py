@@ -28,7 +28,7 @@ import threading
 import jax
 from etils import epath
 
-from deltares import paths
+from deltares.data import paths
 
 # Dense bf16 peak FLOP/s per chip, by the exact `device_kind` jax reports (no substring
 # matching: an unknown kind has no MFU). Sources of the kinds:

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from deltares import routing
+from deltares.nn import routing
 
 Dtype = Any
 dense_init = nn.initializers.normal(stddev=0.02)

@@ -27,9 +27,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from deltares import routing
-from deltares.config import BLOCK_MODES
-from deltares.residual import ResidualPlan
+from deltares.nn import routing
+from deltares.nn.config import BLOCK_MODES
+from deltares.nn.residual import ResidualPlan
 
 STREAM_AXES = ("batch", "length", "act_embed")  # logical names of the stream and of each source
 SOURCES_AXES = ("sources",) + STREAM_AXES

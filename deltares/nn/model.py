@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from deltares.config import dtype_of, validate_model_config
-from deltares.decoder import DecoderLayer
-from deltares.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
-from deltares.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
-from deltares.residual import plan_for
+from deltares.nn.config import dtype_of, validate_model_config
+from deltares.nn.decoder import DecoderLayer
+from deltares.nn.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
+from deltares.nn.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
+from deltares.nn.residual import plan_for
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

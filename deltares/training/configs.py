@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from deltares.config import MODES, model_config, validate_model_config
+from deltares.nn.config import MODES, model_config, validate_model_config
 
 VARIANT_KEYS = {
     "block_layers": int,
@@ -67,7 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
             scale="",
             seed=0,
             init_from="",  # a workdir or checkpoint directory to take parameters from
-            init_from_hf="",  # a Hugging Face Qwen3 directory to take parameters from (deltares.hf)
+            init_from_hf="",  # a Hugging Face Qwen3 directory to take parameters from (deltares.interop.hf)
             force=False,  # resume a workdir whose checkpoint has another config
             mesh=dict(data=1, fsdp=-1, tensor=1),  # device mesh; -1 takes the remaining devices
             data=dict(
@@ -87,10 +87,10 @@ def base_config() -> ml_collections.ConfigDict:
                 checkpoint_every=100,
                 keep_last=3,
                 keep_every=0,  # also keep every checkpoint whose step is a multiple of this (0: off)
-                peak_tflops=0.0,  # per-device peak for MFU; 0 looks the device up (deltares.metrics)
+                peak_tflops=0.0,  # per-device peak for MFU; 0 looks the device up (deltares.training.metrics)
                 profile_steps=(),  # (start, end): a jax.profiler trace of steps start..end-1 into <workdir>/profile
                 profile_all_processes=False,  # trace every process, not only process 0
-                # Weights & Biases (deltares.wandb_tracker): off unless project is set; mode "" is
+                # Weights & Biases (deltares.training.wandb_tracker): off unless project is set; mode "" is
                 # WANDB_MODE's, else online ("offline": local files for `wandb sync`)
                 wandb=dict(project="", entity="", name="", mode=""),
             ),

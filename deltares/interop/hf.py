@@ -31,7 +31,7 @@ deltares' exact-conversion gate (DESIGN.md section 3). With scanned layers
 `residual_include_partial`, `residual_gate` and `residual_null_source`. Baseline exports
 are plain Qwen3 (`model_type: qwen3`, `Qwen3ForCausalLM`). Routed exports are
 `model_type: deltares_qwen3`, `DeltaResQwen3ForCausalLM`, with an `auto_map` to the
-PyTorch model in deltares/hf_remote/ (copied into the export directory), so
+PyTorch model in deltares/interop/hf_remote/ (copied into the export directory), so
 `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` computes the routed
 function and `transformers` refuses them without `trust_remote_code`; a directory the
 PyTorch model wrote with `save_pretrained` reads back here.
@@ -54,11 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltares.config import ADDITIVE_MODES, MODES, dtype_of, model_config, validate_model_config
-from deltares.layers import DepthRouter
-from deltares.model import Transformer
-from deltares.safetensors_io import SafetensorsError, SafetensorsFile, write
-from deltares.steps import abstract_params
+from deltares.nn.config import ADDITIVE_MODES, MODES, dtype_of, model_config, validate_model_config
+from deltares.nn.layers import DepthRouter
+from deltares.nn.model import Transformer
+from deltares.interop.safetensors_io import SafetensorsError, SafetensorsFile, write
+from deltares.training.steps import abstract_params
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "DeltaResQwen3ForCausalLM")
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "DeltaResQwen3ForCausalLM": "deltares_qwen3"}

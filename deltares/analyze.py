@@ -42,9 +42,9 @@ from absl import flags
 
 from deltares.training.checkpoint import load_checkpoint
 from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
-from deltares.data.dataset import TokenData, eval_batches
+from deltares.data.dataset import TokenData, eval_batches, text_tokens
 from deltares.data.prepare import DataError
-from deltares.eval import run_dataset_path, text_tokens
+from deltares.data.runs import run_dataset_path
 from deltares.interop.inference import check_params
 from deltares.nn.layers import DepthRouter
 from deltares.training.metrics import read_metrics

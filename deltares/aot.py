@@ -5,7 +5,7 @@
         --config.model.remat=full --json
     python -m deltares.aot --config experiments/debug.py --topology v5e:2x2 --mesh 1,2,2
 
-The train step is the one `deltares.train` runs (`deltares.training.sharding.sharded_train_step`:
+The train step is the one `deltares.train` runs (`deltares.training.state.sharded_train_step`:
 forward, backward, gradient clipping and the AdamW update, the state donated), lowered for
 the experiment's global batch and sequence length and compiled by the TPU compiler of
 `libtpu` (a PyPI wheel, pinned in requirements.txt) for compile-only devices of the
@@ -251,7 +251,7 @@ def _per_device_bytes(abstract_tree) -> int:
 
 def _training(cfg, mesh):
     """(step, abstract_state, batch_sharding) of deltares.training.sharding for `cfg` on `mesh`."""
-    from deltares.training.sharding import sharded_train_step
+    from deltares.training.state import sharded_train_step
 
     out = sharded_train_step(cfg, mesh)
     if hasattr(out, "step"):

@@ -4,7 +4,7 @@
     python -m deltares.bench --config experiments/s220m.py --modes baseline,delta_block --batch 4 --seq_len 2048
     python -m deltares.bench --config experiments/tiny.py --config.model.remat=full   # any config override
 
-Times the real train step (`deltares.training.sharding.sharded_train_step`: forward, backward,
+Times the real train step (`deltares.training.state.sharded_train_step`: forward, backward,
 optimizer update, donated state) on the default backend (the CPU, or any accelerator
 present, over `config.mesh`). Each mode's step is lowered and compiled once (the
 compile time reported), run once to warm up, then timed in interleaved rounds (every
@@ -32,7 +32,8 @@ from ml_collections import config_flags
 from deltares.nn.config import MODES
 from deltares.training.memory import compiled_bytes, device_peak_bytes
 from deltares.training.metrics import mfu, model_flops_per_token, peak_flops_per_device
-from deltares.training.sharding import make_mesh, shard_batch, sharded_train_step
+from deltares.training.sharding import make_mesh, shard_batch
+from deltares.training.state import sharded_train_step
 
 
 class BenchError(ValueError):

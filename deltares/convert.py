@@ -25,7 +25,7 @@ from deltares.interop import hf
 from deltares.training.checkpoint import Checkpointer, load_checkpoint
 from deltares.training.configs import base_config
 from deltares.data.dataset import TokenData
-from deltares.eval import run_dataset_path
+from deltares.data.runs import run_dataset_path
 
 
 def _residual_request(mode, block_layers, gate, null_source):

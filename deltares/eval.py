@@ -19,7 +19,6 @@ reports are scored (its val_bpb: the split's mean bytes per token).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -28,36 +27,13 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from deltares.training.checkpoint import load_checkpoint
-from deltares.data.dataset import TokenData, Windows, eval_batches
-from deltares.data.prepare import BUILTIN, DataError, document_bytes, encode_documents, read_documents
+from deltares.data.dataset import TokenData, Windows, eval_batches, text_tokens
+from deltares.data.prepare import DataError
+from deltares.data.runs import run_dataset_path
 from deltares.nn.model import Transformer
-from deltares.data.paths import builtin_dataset_dir
+from deltares.training.checkpoint import load_checkpoint
+from deltares.training.evaluation import metrics, score
 from deltares.training.steps import make_eval_step
-
-FROM_HF = "init_from_hf"  # config.data.tokenizer value: the tokenizer of config.init_from_hf
-
-
-def score(eval_step, params, batches) -> tuple[float, int]:
-    """(total nats, tokens scored) over `batches`."""
-    total, count = 0.0, 0
-    for batch in batches:
-        nll, n = eval_step(params, batch)
-        total += float(nll)
-        count += int(n)
-    return total, count
-
-
-def metrics(nats: float, count: int, n_bytes: float) -> dict:
-    """Mean token loss (nats), perplexity and bits per byte of `count` tokens spelling `n_bytes` bytes."""
-    loss = nats / count
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_bpb": nats / math.log(2) / n_bytes}
-
-
-def evaluate(eval_step, params, batches, bytes_per_token: float) -> dict:
-    """Loss, perplexity and bits per byte over `batches`, bytes at the split's mean per token."""
-    nats, count = score(eval_step, params, batches)
-    return metrics(nats, count, count * bytes_per_token)
 
 
 def every_token_batches(tokens, eos_id: int, seq_len: int, batch: int):
@@ -69,33 +45,6 @@ def every_token_batches(tokens, eos_id: int, seq_len: int, batch: int):
         yield np.stack([windows[i] for i in range(start, min(start + batch, len(windows)))])
     if len(stream) - 1 > len(windows) * seq_len:
         yield stream[len(windows) * seq_len :][None]
-
-
-def run_tokenizer(config) -> str:
-    """The tokenizer spec of a run's config, `config.data.tokenizer`, with FROM_HF resolved."""
-    tokenizer = config["data"]["tokenizer"]
-    if tokenizer != FROM_HF:
-        return tokenizer
-    if not config.get("init_from_hf"):
-        raise DataError(f"config.data.tokenizer={FROM_HF!r} needs config.init_from_hf")
-    return f"hf:{config['init_from_hf']}"
-
-
-def run_dataset_path(config, workdir: str) -> str:
-    """The prepared dataset a run trains on; the built-in corpus is prepared into the run
-    directory, or a local cache for a run on a bucket (deltares.data.paths.builtin_dataset_dir)."""
-    path = config["data"]["dataset"]
-    return builtin_dataset_dir(workdir, run_tokenizer(config)) if path == BUILTIN else path
-
-
-def text_tokens(source: str, tokenizer) -> tuple[np.ndarray, int]:
-    """Tokens of local text (see `read_documents`), each document followed by end-of-text as
-    prepare writes them, and the bytes they spell (`document_bytes`)."""
-    docs = read_documents(source)
-    if not docs:
-        raise DataError(f"{source} holds no text")
-    tokens = np.concatenate([np.asarray(ids, np.int32) for ids in encode_documents(docs, tokenizer)])
-    return tokens, sum(document_bytes(doc) for doc in docs)
 
 
 def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches: int | None = None) -> dict:

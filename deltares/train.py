@@ -31,17 +31,17 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from deltares.interop import hf
 from deltares.data import paths
-from deltares.training.checkpoint import Checkpointer, load_checkpoint
+from deltares.data.prepare import DataError
+from deltares.data.runs import RunData, open_run_data, unigram_perplexity
+from deltares.interop import hf
 from deltares.nn.config import validate_model_config
-from deltares.data.dataset import TokenData, eval_batches, train_dataset, train_iterator
-from deltares.data.prepare import BUILTIN, DataError, prepare
-from deltares.eval import evaluate, run_dataset_path, run_tokenizer
+from deltares.training.checkpoint import Checkpointer, load_checkpoint
+from deltares.training.evaluation import evaluate
 from deltares.training.memory import PeakMemory
 from deltares.training.metrics import MetricsWriter, Profiler, mfu, model_flops_per_token, peak_flops_per_device
-from deltares.training.sharding import LOGICAL_RULES, MeshStep, make_mesh, shard_batch, sharded_train_step
-from deltares.training.steps import make_eval_step, make_stats_step
+from deltares.training.sharding import LOGICAL_RULES, make_mesh, shard_batch
+from deltares.training.state import ShardedTraining, sharded_train_step
 from deltares.training.wandb_tracker import TrackerError, open_tracker
 
 
@@ -151,34 +151,6 @@ def dry_run(cfg) -> dict:
     }
 
 
-def open_dataset(cfg, workdir: str) -> TokenData:
-    """The prepared dataset of the config; the built-in corpus is prepared once (see run_dataset_path)."""
-    path = cfg.data.dataset
-    if path == BUILTIN:
-        try:
-            tokenizer = run_tokenizer(cfg)
-        except DataError as err:
-            raise TrainError(str(err)) from None
-        path = run_dataset_path(cfg, workdir)
-        if not os.path.exists(os.path.join(path, "meta.json")):
-            say(f"preparing the built-in corpus with tokenizer {tokenizer} into {path}")
-            prepare(BUILTIN, tokenizer, path, val_fraction=0.05, progress=False)
-    data = TokenData(path)
-    if data.vocab_size > cfg.model.vocab_size:
-        raise TrainError(
-            f"the tokenizer of {path} has {data.vocab_size} tokens, more than config.model.vocab_size="
-            f"{cfg.model.vocab_size}"
-        )
-    return data
-
-
-def unigram_perplexity(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab: int) -> float:
-    """Perplexity on the validation split of add-one-smoothed training token frequencies."""
-    counts = np.bincount(np.asarray(train_tokens), minlength=vocab).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    return float(np.exp(-logp[np.asarray(val_tokens)].mean()))
-
-
 def _check_resumable(saved: dict, cfg, workdir: str) -> None:
     current = config_json(cfg)
     diffs = [key for key in RESUME_KEYS if _get(saved, key) != _get(current, key)]
@@ -257,50 +229,30 @@ class StopRequest:
 
 
 def train(cfg, workdir: str) -> dict:
-    """Runs (or resumes) training; returns the final metrics."""
+    """Runs (or resumes) training; returns the final metrics. The config travels once, in order:
+    config (check_train_config) -> data (deltares.data.runs) -> model and sharded step
+    (deltares.training.state) -> the state to start from (`_start_state`) -> the loop, which writes
+    checkpoints and metrics."""
     check_train_config(cfg)
     workdir = paths.run_dir(workdir)
-    if cfg.get("init_from_hf"):  # a bad checkpoint fails before anything is written
-        try:
-            hf.check_checkpoint(cfg.init_from_hf, cfg.model)
-        except hf.HFError as err:
-            raise TrainError(f"config.init_from_hf: {err}") from None
     paths.makedirs(workdir)
-    data = open_dataset(cfg, workdir)
+    run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say)
+    training = sharded_train_step(cfg, make_mesh(cfg.mesh))
     t = cfg.train
     ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
     try:
-        return _train(cfg, workdir, data, ckpt)
+        return _train(cfg, workdir, run, training, ckpt)
     finally:
         ckpt.wait()
         ckpt.close()
 
 
-def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
-    t = cfg.train
-    mesh = make_mesh(cfg.mesh)
-    training = sharded_train_step(cfg, mesh)
-    model, tx, schedules = training.model, training.tx, training.schedules
+def _start_state(cfg, workdir: str, training: ShardedTraining, ckpt: Checkpointer, data_iter):
+    """(state, step) a run starts from: its newest checkpoint (the data stream's position restored
+    into `data_iter`), else fresh parameters, or those of config.init_from / config.init_from_hf
+    (read and checked here, where the parameters are initialised)."""
     start = ckpt.latest_step()
-
-    train_ds = train_dataset(
-        data.tokens("train"), cfg.data.seq_len, t.global_batch, cfg.seed, jax.process_index(), jax.process_count()
-    )
-    val = eval_batches(data.tokens("val"), cfg.data.seq_len, max(1, t.global_batch // t.micro_batches), t.eval_batches)
-    data_iter = train_iterator(train_ds, cfg.data.prefetch)
-
-    if start is None:
-        state = training.init(cfg.seed)
-        if cfg.init_from or cfg.get("init_from_hf"):
-            if cfg.init_from and cfg.get("init_from_hf"):
-                raise TrainError("set config.init_from or config.init_from_hf, not both")
-            if cfg.init_from:
-                params = _init_from(cfg.init_from, state["params"])
-            else:
-                params = _init_from_hf(cfg.init_from_hf, cfg.model)
-            state = jax.device_put({**state, "params": params, "opt_state": tx.init(params)}, training.state_shardings)
-        start = 0
-    else:
+    if start is not None:
         _check_resumable(ckpt.config(start), cfg, workdir)
         abstract_state = training.abstract_state
         try:
@@ -310,10 +262,23 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
         state, data_state = ckpt.restore(start, abstract_state)
         data_iter.set_state(data_state)
         say(f"resumed {workdir} from step {start}")
+        return state, start
+    if cfg.init_from and cfg.get("init_from_hf"):
+        raise TrainError("set config.init_from or config.init_from_hf, not both")
+    params = _init_from_hf(cfg.init_from_hf, cfg.model) if cfg.get("init_from_hf") else None
+    state = training.init(cfg.seed)
+    if cfg.init_from:
+        params = _init_from(cfg.init_from, state["params"])
+    if params is None:
+        return state, 0
+    return jax.device_put({**state, "params": params, "opt_state": training.tx.init(params)}, training.state_shardings), 0
 
-    train_step = training.step
-    eval_step = MeshStep(jax.jit(make_eval_step(model)), mesh)
-    stats_step = MeshStep(jax.jit(make_stats_step(model)), mesh)
+
+def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Checkpointer) -> dict:
+    t = cfg.train
+    data_iter = run.train
+    state, start = _start_state(cfg, workdir, training, ckpt, data_iter)
+    train_step, eval_step, stats_step, schedules = training.step, training.eval_step, training.stats_step, training.schedules
     all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     config_record = config_json(cfg)
     try:
@@ -322,12 +287,12 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
         raise TrainError(str(err)) from None
     writer = MetricsWriter(workdir, resume_step=start, tracker=tracker)
     profiler = Profiler(workdir, t.profile_steps, t.profile_all_processes)
-    peak_memory = PeakMemory(train_step)  # device high-water mark, else the compiled step's footprint
     tokens_per_step = t.global_batch * cfg.data.seq_len
     flops_per_step = model_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = peak_flops_per_device(t.peak_tflops)
     peak = peak and peak * jax.device_count()  # None for an unknown device: mfu is null
-    bpt = data.bytes_per_token("val")
+    peak_memory = PeakMemory(train_step)  # device high-water mark, else the compiled step's footprint
+    val, bpt = run.val, run.bytes_per_token
 
     def save(step):
         try:
@@ -346,8 +311,8 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
     try:
         while step < t.steps:
             profiler.before(step + 1)
-            batch = next(data_iter)
-            state, out = train_step(state, shard_batch(batch, training.batch_sharding))
+            batch = shard_batch(next(data_iter), training.batch_sharding)
+            state, out = train_step(state, batch)
             step += 1
             bar.update(1)
             pending.append((step, out))
@@ -386,10 +351,10 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
                     last_eval = evaluate(eval_step, state["params"], val, bpt)
                     record.update(last_eval)
                 if t.stats_every and step % t.stats_every == 0:
-                    stats = jax.device_get(stats_step(state["params"], shard_batch(batch, training.batch_sharding)))
+                    stats = jax.device_get(stats_step(state["params"], batch))
                     record["routing_max_weight"] = stats["max_weight"].round(4).tolist()
                     record["routing_entropy"] = stats["entropy"].round(4).tolist()
-                if (peak_bytes := peak_memory(state, shard_batch(batch, training.batch_sharding))) is not None:
+                if (peak_bytes := peak_memory(state, batch)) is not None:
                     record["peak_bytes"] = peak_bytes
                 writer.write(step, record)
                 bar.set_postfix(loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
@@ -411,7 +376,7 @@ def _train(cfg, workdir: str, data: TokenData, ckpt: Checkpointer) -> dict:
         bar.close()
         profiler.stop()
         writer.close()
-    return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(data.tokens("train"), data.tokens("val"), data.vocab_size)}
+    return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(run.data)}
 
 
 def print_dry_run(cfg, r: dict) -> None:

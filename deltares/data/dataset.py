@@ -17,7 +17,7 @@ import os
 import grain
 import numpy as np
 
-from deltares.data.prepare import DATASET_FORMAT, DataError
+from deltares.data.prepare import DATASET_FORMAT, DataError, document_bytes, encode_documents, read_documents
 from deltares.data.tokenizer import tokenizer_from_meta
 
 
@@ -97,3 +97,13 @@ def eval_batches(tokens, seq_len: int, batch: int, max_batches: int | None = Non
     if max_batches:
         n_batches = min(n_batches, max_batches)
     return [np.stack([windows[b * batch + i] for i in range(batch)]) for b in range(n_batches)]
+
+
+def text_tokens(source: str, tokenizer) -> tuple[np.ndarray, int]:
+    """Tokens of local text (see `read_documents`), each document followed by end-of-text as
+    prepare writes them, and the bytes they spell (`document_bytes`)."""
+    docs = read_documents(source)
+    if not docs:
+        raise DataError(f"{source} holds no text")
+    tokens = np.concatenate([np.asarray(ids, np.int32) for ids in encode_documents(docs, tokenizer)])
+    return tokens, sum(document_bytes(doc) for doc in docs)

@@ -10,22 +10,18 @@ and the depth-source buffer, `act_embed`) split their model dimension over
 `jax.shard_map` (deltares.nn.layers.xla_route). A logical name whose mesh axis is already
 taken in the same array falls back to replicated, so one table serves
 parameters (`embed` -> fsdp) and activations (`batch` takes fsdp first).
+This module provides meshes and shardings; deltares.training.state assembles the sharded steps.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from deltares.nn.model import Transformer
-from deltares.training.steps import abstract_params, build, make_init, make_train_step
 
 MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_RULES = (
@@ -125,47 +121,6 @@ def sharded_fraction(abstract_state, shardings) -> float:
         if math.prod(sharding.shard_shape(leaf.shape)) < leaf.size:
             split += nbytes
     return split / max(total, 1)
-
-
-class ShardedTraining(NamedTuple):
-    step: MeshStep  # (state, batch) -> (state, {loss, grad_norm}), state donated
-    init: Any  # seed -> sharded initial state
-    abstract_state: Any  # ShapeDtypeStructs with shardings (for restore and AOT lowering)
-    state_shardings: Any
-    batch_sharding: NamedSharding
-    model: Transformer
-    tx: Any
-    schedules: dict
-    mesh: jax.sharding.Mesh
-
-
-def sharded_train_step(cfg, mesh) -> ShardedTraining:
-    """The train step of `cfg` jitted for `mesh` with in/out shardings and a donated state,
-    and what goes with it. Warns when fsdp > 1 and under 98% of parameter bytes are split."""
-    model, tx, schedules = build(cfg)
-    boxed = abstract_params(model, cfg.data.seq_len)
-    init_fn = make_init(model, tx, cfg.data.seq_len)
-    abstract_state = jax.eval_shape(init_fn, 0)
-    shardings = state_shardings(boxed, abstract_state, mesh)
-    batch_sharding = logical_sharding(mesh, ("batch", None))
-    if mesh.shape["fsdp"] > 1 and (fraction := sharded_fraction(abstract_state, shardings)) < MIN_SHARDED_FRACTION:
-        warnings.warn(f"only {fraction:.1%} of parameter bytes are sharded on mesh {dict(mesh.shape)}", stacklevel=2)
-    abstract_state = jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract_state, shardings
-    )
-    replicated = NamedSharding(mesh, P())
-    step = jax.jit(
-        make_train_step(model, tx, cfg.train.micro_batches),
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, replicated),
-        donate_argnums=0,
-    )
-    # Initialisation runs outside the rules: flax would constrain each layer's parameters
-    # inside nn.scan with the unstacked names; out_shardings places the result.
-    init = jax.jit(init_fn, static_argnums=0, out_shardings=shardings)
-    return ShardedTraining(
-        MeshStep(step, mesh), init, abstract_state, shardings, batch_sharding, model, tx, schedules, mesh
-    )
 
 
 def shard_batch(batch_BT: np.ndarray, batch_sharding: NamedSharding) -> jax.Array:

@@ -1,0 +1,75 @@
+"""A run's data, read from its config: the tokenizer spec, the prepared dataset (the built-in
+corpus prepared on first use) and the streams the trainer reads (shuffled training batches of this
+process, fixed validation batches). The trainer, eval, analyze, convert and inference share these.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from deltares.data.dataset import TokenData, eval_batches, train_dataset, train_iterator
+from deltares.data.paths import builtin_dataset_dir
+from deltares.data.prepare import BUILTIN, DataError, prepare
+
+FROM_HF = "init_from_hf"  # config.data.tokenizer value: the tokenizer of config.init_from_hf
+
+
+def run_tokenizer(config) -> str:
+    """The tokenizer spec of a run's config, `config.data.tokenizer`, with FROM_HF resolved."""
+    tokenizer = config["data"]["tokenizer"]
+    if tokenizer != FROM_HF:
+        return tokenizer
+    if not config.get("init_from_hf"):
+        raise DataError(f"config.data.tokenizer={FROM_HF!r} needs config.init_from_hf")
+    return f"hf:{config['init_from_hf']}"
+
+
+def run_dataset_path(config, workdir: str) -> str:
+    """The prepared dataset a run trains on; the built-in corpus is prepared into the run
+    directory, or a local cache for a run on a bucket (deltares.data.paths.builtin_dataset_dir)."""
+    path = config["data"]["dataset"]
+    return builtin_dataset_dir(workdir, run_tokenizer(config)) if path == BUILTIN else path
+
+
+def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print) -> TokenData:
+    """The prepared dataset of a run (see run_dataset_path), the built-in corpus prepared once;
+    its vocabulary must fit `config.model.vocab_size`."""
+    path = run_dataset_path(config, workdir)
+    if config["data"]["dataset"] == BUILTIN and not os.path.exists(os.path.join(path, "meta.json")):
+        tokenizer = run_tokenizer(config)
+        log(f"preparing the built-in corpus with tokenizer {tokenizer} into {path}")
+        prepare(BUILTIN, tokenizer, path, val_fraction=0.05, progress=False)
+    data = TokenData(path)
+    if data.vocab_size > config["model"]["vocab_size"]:
+        raise DataError(
+            f"the tokenizer of {path} has {data.vocab_size} tokens, more than config.model.vocab_size="
+            f"{config['model']['vocab_size']}"
+        )
+    return data
+
+
+class RunData(NamedTuple):
+    data: TokenData
+    train: Any  # grain iterator of this process's rows of each global batch (get_state / set_state)
+    val: list  # the fixed validation batches (np.int32 [batch, seq_len + 1])
+    bytes_per_token: float  # the validation split's mean UTF-8 bytes per token (for bits per byte)
+
+
+def open_run_data(config, workdir: str, process_index: int = 0, process_count: int = 1,
+                  log: Callable[[str], None] = print) -> RunData:
+    """Everything the trainer reads of a run's data, in one place (see RunData)."""
+    data = open_run_dataset(config, workdir, log)
+    t, seq_len = config["train"], config["data"]["seq_len"]
+    train = train_dataset(data.tokens("train"), seq_len, t["global_batch"], config["seed"], process_index, process_count)
+    val = eval_batches(data.tokens("val"), seq_len, max(1, t["global_batch"] // t["micro_batches"]), t["eval_batches"])
+    return RunData(data, train_iterator(train, config["data"]["prefetch"]), val, data.bytes_per_token("val"))
+
+
+def unigram_perplexity(data: TokenData) -> float:
+    """Perplexity on the validation split of add-one-smoothed training token frequencies."""
+    counts = np.bincount(np.asarray(data.tokens("train")), minlength=data.vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(np.exp(-logp[np.asarray(data.tokens("val"))].mean()))

@@ -87,7 +87,7 @@ def _prefill(model, sampling, params, tokens_BP, lengths_B, cache, key, eos_id, 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("cache",))
 def _decode(model, sampling, params, token_B, cache, pos_B, key, step, eos_id, allow_eos):
-    """One token per row, row b at position pos_B[b]; the cache is [L, B, S, K, H] (k, v)."""
+    """One token per row, row b at position pos_B[b]; the cache is [L, B, C, K, E] (k, v)."""
 
     def row(token, cache_row, pos):  # a batch of one, so `pos` may differ between rows
         logits_11V, cache_row = model.apply({"params": params}, token[None, None],

@@ -48,13 +48,13 @@ def rms_norm(x, scale, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def rope(x_BTNH, theta):
+def rope(x_BTHE, theta):
     """Rotary embedding, rotate-half layout."""
-    T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
-    freqs_TH = jnp.arange(T)[:, None] / theta ** (jnp.arange(0, H, 2) / H)[None, :]
-    cos, sin = (f(jnp.concatenate([freqs_TH, freqs_TH], -1))[None, :, None, :] for f in (jnp.cos, jnp.sin))
-    rotated = jnp.concatenate([-x_BTNH[..., H // 2:], x_BTNH[..., : H // 2]], -1)
-    return x_BTNH * cos + rotated * sin
+    T, E = x_BTHE.shape[1], x_BTHE.shape[-1]
+    freqs_TE = jnp.arange(T)[:, None] / theta ** (jnp.arange(0, E, 2) / E)[None, :]
+    cos, sin = (f(jnp.concatenate([freqs_TE, freqs_TE], -1))[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    rotated = jnp.concatenate([-x_BTHE[..., E // 2:], x_BTHE[..., : E // 2]], -1)
+    return x_BTHE * cos + rotated * sin
 
 
 class RMSNorm(nn.Module):
@@ -71,16 +71,16 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         cfg = self.cfg
-        H = cfg.d_model // cfg.n_heads
-        q, k, v = (jnp.einsum("btd,dnh->btnh", x_BTD, self.param(n, init, (cfg.d_model, cfg.n_heads, H)))
+        E = cfg.d_model // cfg.n_heads
+        q, k, v = (jnp.einsum("btd,dhe->bthe", x_BTD, self.param(n, init, (cfg.d_model, cfg.n_heads, E)))
                    for n in ("q", "k", "v"))
-        q = rope(rms_norm(q, self.param("q_norm", nn.initializers.ones, (H,)), cfg.eps), cfg.rope_theta)
-        k = rope(rms_norm(k, self.param("k_norm", nn.initializers.ones, (H,)), cfg.eps), cfg.rope_theta)
+        q = rope(rms_norm(q, self.param("q_norm", nn.initializers.ones, (E,)), cfg.eps), cfg.rope_theta)
+        k = rope(rms_norm(k, self.param("k_norm", nn.initializers.ones, (E,)), cfg.eps), cfg.rope_theta)
         T = x_BTD.shape[1]
-        scores_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(H)
-        scores_BNTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BNTS, -jnp.inf)
-        out_BTNH = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores_BNTS, axis=-1), v)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.param("o", init, (cfg.n_heads, H, cfg.d_model)))
+        scores_BHTC = jnp.einsum("bthe,bche->bhtc", q, k) / jnp.sqrt(E)
+        scores_BHTC = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTC, -jnp.inf)
+        out_BTHE = jnp.einsum("bhtc,bche->bthe", jax.nn.softmax(scores_BHTC, axis=-1), v)
+        return jnp.einsum("bthe,hed->btd", out_BTHE, self.param("o", init, (cfg.n_heads, E, cfg.d_model)))
 
 
 class MLP(nn.Module):

@@ -33,22 +33,22 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        D, N, H = cfg.d_model, cfg.n_heads, cfg.d_model // cfg.n_heads
-        self.q, self.k, self.v = (nnx.Param(init(rngs.params(), (D, N, H))) for _ in range(3))
-        self.o = nnx.Param(init(rngs.params(), (N, H, D)))
-        self.q_norm, self.k_norm = nnx.Param(jnp.ones((H,))), nnx.Param(jnp.ones((H,)))
+        D, H, E = cfg.d_model, cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.q, self.k, self.v = (nnx.Param(init(rngs.params(), (D, H, E))) for _ in range(3))
+        self.o = nnx.Param(init(rngs.params(), (H, E, D)))
+        self.q_norm, self.k_norm = nnx.Param(jnp.ones((E,))), nnx.Param(jnp.ones((E,)))
         self.cfg = cfg
 
     def __call__(self, x_BTD):
-        cfg, H = self.cfg, self.cfg.d_model // self.cfg.n_heads
-        q, k, v = (jnp.einsum("btd,dnh->btnh", x_BTD, w[...]) for w in (self.q, self.k, self.v))
+        cfg, E = self.cfg, self.cfg.d_model // self.cfg.n_heads
+        q, k, v = (jnp.einsum("btd,dhe->bthe", x_BTD, w[...]) for w in (self.q, self.k, self.v))
         q = rope(rms_norm(q, self.q_norm[...], cfg.eps), cfg.rope_theta)
         k = rope(rms_norm(k, self.k_norm[...], cfg.eps), cfg.rope_theta)
         T = x_BTD.shape[1]
-        scores_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(H)
-        scores_BNTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BNTS, -jnp.inf)
-        out_BTNH = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores_BNTS, axis=-1), v)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o[...])
+        scores_BHTC = jnp.einsum("bthe,bche->bhtc", q, k) / jnp.sqrt(E)
+        scores_BHTC = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTC, -jnp.inf)
+        out_BTHE = jnp.einsum("bhtc,bche->bthe", jax.nn.softmax(scores_BHTC, axis=-1), v)
+        return jnp.einsum("bthe,hed->btd", out_BTHE, self.o[...])
 
 
 class MLP(nnx.Module):

@@ -9,9 +9,9 @@ Tensor names (per layer i; `[out, in]` matrices as in PyTorch):
 |---|---|
 | embed/embedding [V, D] | model.embed_tokens.weight [V, D] |
 | layers_i/attn_norm/scale | model.layers.i.input_layernorm.weight |
-| layers_i/attn/{q,k,v}_proj/kernel [D, N, H] | model.layers.i.self_attn.{q,k,v}_proj.weight [N*H, D] |
-| layers_i/attn/o_proj/kernel [N, H, D] | model.layers.i.self_attn.o_proj.weight [D, N*H] |
-| layers_i/attn/{q,k}_norm/scale [H] | model.layers.i.self_attn.{q,k}_norm.weight |
+| layers_i/attn/{q,k,v}_proj/kernel [D, H, E] (k, v: K heads) | model.layers.i.self_attn.{q,k,v}_proj.weight [H*E, D] |
+| layers_i/attn/o_proj/kernel [H, E, D] | model.layers.i.self_attn.o_proj.weight [D, H*E] |
+| layers_i/attn/{q,k}_norm/scale [E] | model.layers.i.self_attn.{q,k}_norm.weight |
 | layers_i/mlp_norm/scale | model.layers.i.post_attention_layernorm.weight |
 | layers_i/mlp/{gate,up}_proj/kernel [D, F] | model.layers.i.mlp.{gate,up}_proj.weight [F, D] |
 | layers_i/mlp/down_proj/kernel [F, D] | model.layers.i.mlp.down_proj.weight [D, F] |

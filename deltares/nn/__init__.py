@@ -1,2 +1,24 @@
 """The model's chain: config -> routing -> residual plan -> router (layers) -> decoder layer -> depth pass -> model;
-plus the public depth-routing API (routed, nnx) and the losses."""
+plus the public depth-routing API (routed, nnx) and the losses.
+
+Shape legend. Array names end in one capital letter per axis (`x_BTD` is [batch, tokens, model
+width]); each letter means one thing across deltares/ and kernels_pallas/:
+
+    B  batch (sequences)
+    T  tokens: positions of a sequence (in a kernel, the tokens of one tile of N)
+    N  tokens of a batch flattened into one axis (B*T; the kernels, per-token statistics)
+    D  model width (d_model)
+    F  MLP width (d_ff)
+    V  vocabulary
+    L  layers
+    J  routers (sublayers: two per layer)
+    S  sources of depth routing (the embedding and the sublayers' outputs a router mixes)
+    H  query heads
+    K  key/value heads
+    E  head dimension
+    C  key/value positions attended to (attention's context: the cache length in generation)
+    P  prompt positions (generation, padded)
+    M  micro-batches (gradient accumulation)
+    G  chunks of a sequence, W tokens each (the chunked loss)
+    1  an axis of size 1 (kept for broadcasting)
+"""

@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
         return add_delta(plan, state, j, v_BTD, self.config.norm_eps)
 
     @nn.compact
-    def __call__(self, state: DepthState, layer, cos_TH, sin_TH, cache=None, pos=None, only=None):
+    def __call__(self, state: DepthState, layer, cos_TE, sin_TE, cache=None, pos=None, only=None):
         """Returns (state, stats); with an attention `cache` (decoding, see Attention),
         (state, (stats, new cache)). With `only` (0: attention, 1: MLP), runs that sublayer
         alone on `state` and returns its delta and the delta's 1/rms, writing nothing (the
@@ -83,8 +83,8 @@ class DecoderLayer(nn.Module):
 
         def attend(x_BTD):
             if cache is None:
-                return attn(x_BTD, cos_TH, sin_TH)
-            out_BTD, updated = attn(x_BTD, cos_TH, sin_TH, cache, pos)
+                return attn(x_BTD, cos_TE, sin_TE)
+            out_BTD, updated = attn(x_BTD, cos_TE, sin_TE, cache, pos)
             new_cache.append(updated)
             return out_BTD
 

@@ -42,17 +42,17 @@ class RMSNorm(nn.Module):
 def rope_tables(positions_T, head_dim: int, theta: float):
     """cos and sin [T, head_dim] of Qwen3's rotary embedding (rotate-half layout)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs_TH = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([freqs_TH, freqs_TH], axis=-1)
+    freqs_TE = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs_TE, freqs_TE], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x_BTNH, cos_TH, sin_TH):
-    x32 = x_BTNH.astype(jnp.float32)
+def apply_rope(x_BTHE, cos_TE, sin_TE):
+    x32 = x_BTHE.astype(jnp.float32)
     half = x32.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos_TH[None, :, None, :] + rotated * sin_TH[None, :, None, :]
-    return out.astype(x_BTNH.dtype)
+    out = x32 * cos_TE[None, :, None, :] + rotated * sin_TE[None, :, None, :]
+    return out.astype(x_BTHE.dtype)
 
 
 class Projection(nn.Module):
@@ -82,35 +82,35 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, cos_TH, sin_TH, cache=None, pos=None):
-        """With `cache` = (k_BSKH, v_BSKH) of earlier positions, the T tokens of `x_BTD` sit at
+    def __call__(self, x_BTD, cos_TE, sin_TE, cache=None, pos=None):
+        """With `cache` = (k_BCKE, v_BCKE) of earlier positions, the T tokens of `x_BTD` sit at
         positions pos..pos+T-1: their keys and values are written into the cache and they attend
         to everything up to themselves. Returns the output, and the new cache when given one."""
         D = x_BTD.shape[-1]
         common = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
         def proj(name, heads, names):
-            return Projection("btd,dnh->btnh", (D, heads, self.head_dim), names, name=name, **common)
+            return Projection("btd,dhe->bthe", (D, heads, self.head_dim), names, name=name, **common)
 
-        q_BTNH = proj("q_proj", self.n_heads, ("embed", "heads", "head_dim"))(x_BTD)
-        k_BTKH = proj("k_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
-        v_BTKH = proj("v_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
+        q_BTHE = proj("q_proj", self.n_heads, ("embed", "heads", "head_dim"))(x_BTD)
+        k_BTKE = proj("k_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
+        v_BTKE = proj("v_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
         norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
-        q_BTNH = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTNH), cos_TH, sin_TH)
-        k_BTKH = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKH), cos_TH, sin_TH)
-        q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "length", "heads", "head_dim"))
+        q_BTHE = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTHE), cos_TE, sin_TE)
+        k_BTKE = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKE), cos_TE, sin_TE)
+        q_BTHE = nn.with_logical_constraint(q_BTHE, ("batch", "length", "heads", "head_dim"))
         if cache is None:
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+            out_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True)
         else:
-            k_BSKH, v_BSKH = (jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, pos, 0, 0))
-                              for c, x in zip(cache, (k_BTKH, v_BTKH)))
-            cache = (k_BSKH, v_BSKH)
-            T, S = x_BTD.shape[1], k_BSKH.shape[1]
-            mask_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH.astype(self.dtype), v_BSKH.astype(self.dtype),
-                                                    mask=mask_TS[None, None])
+            k_BCKE, v_BCKE = (jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, pos, 0, 0))
+                              for c, x in zip(cache, (k_BTKE, v_BTKE)))
+            cache = (k_BCKE, v_BCKE)
+            T, C = x_BTD.shape[1], k_BCKE.shape[1]
+            mask_TC = jnp.arange(C)[None, :] <= pos + jnp.arange(T)[:, None]
+            out_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BCKE.astype(self.dtype), v_BCKE.astype(self.dtype),
+                                                    mask=mask_TC[None, None])
         o_shape = (self.n_heads, self.head_dim, D)
-        out_BTD = Projection("btnh,nhd->btd", o_shape, ("heads", "head_dim", "embed"), name="o_proj", **common)(out_BTNH)
+        out_BTD = Projection("bthe,hed->btd", o_shape, ("heads", "head_dim", "embed"), name="o_proj", **common)(out_BTHE)
         return out_BTD if cache is None else (out_BTD, cache)
 
 

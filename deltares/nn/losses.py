@@ -36,15 +36,15 @@ def head_token_nll(x_BTD, kernel_DV, targets_BT, chunk: int = 0, dtype=jnp.float
     sharding is untouched; T that `chunk` does not divide is padded (and the padding dropped)."""
     B, T, D = x_BTD.shape
 
-    def nll(x_BKD, targets_BK):
-        logits_BKV = jnp.einsum("bkd,dv->bkv", x_BKD.astype(dtype), kernel_DV.astype(dtype))
-        return token_nll(logits_BKV, targets_BK)
+    def nll(x_BWD, targets_BW):
+        logits_BWV = jnp.einsum("bwd,dv->bwv", x_BWD.astype(dtype), kernel_DV.astype(dtype))
+        return token_nll(logits_BWV, targets_BW)
 
     if not chunk or chunk >= T:
         return nll(x_BTD, targets_BT)
     n_chunks = -(-T // chunk)
     pad = n_chunks * chunk - T
-    x_CBKD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, chunk, D).swapaxes(0, 1)
-    targets_CBK = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
-    nll_CBK = jax.lax.map(lambda args: jax.checkpoint(nll)(*args), (x_CBKD, targets_CBK))
-    return nll_CBK.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T]
+    x_GBWD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, chunk, D).swapaxes(0, 1)
+    targets_GBW = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
+    nll_GBW = jax.lax.map(lambda args: jax.checkpoint(nll)(*args), (x_GBWD, targets_GBW))
+    return nll_GBW.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T]

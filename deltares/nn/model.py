@@ -53,7 +53,7 @@ class Transformer(nn.Module):
             layer = nn.remat(layer, prevent_cse=not self.config.scan_layers, policy=REMAT_POLICIES[self.config.remat])
         return layer
 
-    def _layers(self, layer_cls, state, cos_TH, sin_TH, return_stats, cache=None, pos=None):
+    def _layers(self, layer_cls, state, cos_TE, sin_TE, return_stats, cache=None, pos=None):
         """The L layers, scanned or unrolled, threading each layer's attention cache when decoding.
         Returns (state, stacked stats or None, new cache or None)."""
         cfg = self.config
@@ -67,13 +67,13 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             layers = jnp.arange(cfg.n_layers)
-            state, out = scanned(cfg, return_stats, name="layers")(state, layers, cos_TH, sin_TH, cache, pos)
+            state, out = scanned(cfg, return_stats, name="layers")(state, layers, cos_TE, sin_TE, cache, pos)
         else:
             per_layer = []
             for layer in range(cfg.n_layers):
                 layer_cache = None if cache is None else jax.tree.map(lambda c: c[layer], cache)
                 state, out_l = layer_cls(cfg, return_stats, name=f"layers_{layer}")(
-                    state, layer, cos_TH, sin_TH, layer_cache, pos
+                    state, layer, cos_TE, sin_TE, layer_cache, pos
                 )
                 per_layer.append(out_l)
             out = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
@@ -103,20 +103,20 @@ class Transformer(nn.Module):
             name="embed",
         )
         e_BTD = nn.with_logical_constraint(embed(tokens_BT), STREAM_AXES)
-        cos_TH, sin_TH = rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
+        cos_TE, sin_TE = rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps)
         if cache is not None:  # decoding: nothing is differentiated, no remat
-            state, _, cache = self._layers(DecoderLayer, state, cos_TH, sin_TH, False, cache, pos)
+            state, _, cache = self._layers(DecoderLayer, state, cos_TE, sin_TE, False, cache, pos)
         elif cfg.scan_layers and self._store_once(plan):
             layer = DecoderLayer(cfg, return_stats, parent=None)
 
             def layer_fn(params_l, state, index, only=None):
-                return layer.apply({"params": params_l}, state, index, cos_TH, sin_TH, only=only)
+                return layer.apply({"params": params_l}, state, index, cos_TE, sin_TE, only=only)
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
             state, stats = depth_scan(layer_fn, params_L, state, plan)
         else:
-            state, stats, _ = self._layers(self._layer_class(), state, cos_TH, sin_TH, return_stats)
+            state, stats, _ = self._layers(self._layer_class(), state, cos_TE, sin_TE, return_stats)
 
         if plan.replaces_stream:
             res = cfg.residual

@@ -194,6 +194,30 @@ def _rewrite(path, edit):
     write(file, edit(tensors).items())
 
 
+def test_safetensors_io_bfloat16_bits_and_errors(tmp_path):
+    """bfloat16 goes through the library's numpy API bit for bit; bad files and tensors are named."""
+    import ml_dtypes
+
+    bits = np.array([0x3F80, 0xC0A0, 0x0001, 0x7F80], np.uint16)  # 1, -5, a subnormal, inf
+    file = str(tmp_path / "x.safetensors")
+    write(file, [("b", bits.view(ml_dtypes.bfloat16).reshape(2, 2)), ("i", np.arange(3, dtype=np.int64))],
+          metadata={"format": "pt"})
+    reader = SafetensorsFile(file)
+    assert (reader.names(), reader.shape("b"), reader.dtype("b"), reader.metadata) == (
+        ["b", "i"], (2, 2), "BF16", {"format": "pt"})
+    np.testing.assert_array_equal(reader.read("b").view(np.uint16).ravel(), bits)
+    np.testing.assert_array_equal(safetensors.numpy.load_file(file)["i"], np.arange(3))
+    with pytest.raises(ValueError, match=r"x\.safetensors: tensor nope"):
+        reader.read("nope")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"garbage\.safetensors: not a readable safetensors file"):
+        SafetensorsFile(str(garbage))
+    with pytest.raises(ValueError, match=r"y\.safetensors: cannot write"):
+        write(str(tmp_path / "y.safetensors"), [("s", np.array(["text"]))])
+    assert not os.path.exists(tmp_path / "y.safetensors.tmp")
+
+
 def test_bad_checkpoints_name_the_file_or_tensor(tmp_path):
     with pytest.raises(hf.HFError, match="no such checkpoint directory"):
         hf.from_hf(str(tmp_path / "absent"))

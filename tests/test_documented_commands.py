@@ -286,6 +286,8 @@ RULES = (
          extra=SHRINK + ("--config.train.global_batch=8", "--config.data.seq_len=64"),
          reason="the architecture shrunk (SHRINK): a full-size TPU compile takes minutes"),
     Rule("AOT proof", r"^python -m deltares\.aot --config experiments/(tiny|debug)\.py", "run"),
+    Rule("own-model examples", r"^python -m examples\.gpt_(linen|nnx)$", "run",
+         reason="the examples' own 20 training steps on Moby-Dick"),
     Rule("kernel benchmark", r"^python -m kernels_pallas\.depth_route\.bench\b", "run",
          extra=("--cpu_tokens", "64", "--iters", "1"), reason="64 tokens, 1 timed call"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu)\.sh ", "launch", check="launch",
@@ -337,11 +339,11 @@ def _excerpt(path: str, n_bytes: int) -> str:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A directory holding the paths the commands expect (experiments/, launch/, tests/ and
-    requirements.txt linked from the repository, a copy of the reproduction script) and the
+    """A directory holding the paths the commands expect (experiments/, launch/, tests/, examples/
+    and requirements.txt linked from the repository, a copy of the reproduction script) and the
     stand-ins of STAND_INS; returns (directory, {stand-in name: path})."""
     ws = tmp_path_factory.mktemp("documented")
-    for name in ("experiments", "launch", "tests", "requirements.txt"):
+    for name in ("experiments", "launch", "tests", "examples", "requirements.txt"):
         os.symlink(os.path.join(ROOT, name), ws / name)
     os.makedirs(ws / "docs" / "reproduction")
     with open(os.path.join(ROOT, "docs", "reproduction", "run.sh")) as f:

@@ -198,7 +198,7 @@ def analyze_run(run: Run, batches: list[np.ndarray]) -> dict:
     plan = plan_for(cfg)
     mode = plan.mode
     result = dict(
-        name=run.name, workdir=run.workdir, step=run.step, scale=run.config.get("scale", ""), mode=mode,
+        name=run.name, workdir=run.workdir, step=run.step, scale=run.config.scale, mode=mode,
         n_layers=cfg.n_layers, block_layers=cfg.residual.block_layers, d_model=cfg.d_model,
         tokens=int(sum(b[:, 1:].size for b in batches)), slots=slot_labels(cfg), sublayers=[],
     )
@@ -206,7 +206,7 @@ def analyze_run(run: Run, batches: list[np.ndarray]) -> dict:
         result.update(routed_sublayers=0, mean_max_weight=None, deep_max_weight=None, mean_entropy=None)
         return result
     with_final = mode in REPLACEMENT_MODES
-    has_null = bool(cfg.residual.get("null_source", False))
+    has_null = cfg.residual.null_source
     model, params = unrolled(cfg, run.params)
     step = jax.jit(make_weights_step(model, with_final, has_null))
     sums, maxes, entropies = 0.0, [], []

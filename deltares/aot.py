@@ -307,7 +307,7 @@ def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: s
 
     report = dict(
         config=config_name,
-        scale=cfg.get("scale", ""),
+        scale=cfg.scale,
         mode=cfg.model.residual.mode,
         topology=topology,
         device_kind=device.device_kind,
@@ -363,7 +363,7 @@ def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: s
         fits=bool(hbm is not None and total <= hbm),
         xla_flops_per_device=xla_flops,
         xla_flops_per_step=xla_flops * len(devices),
-        routing_impl=cfg.model.residual.get("impl", "xla"),
+        routing_impl=cfg.model.residual.impl,
         # Mosaic kernels in the compiled program: the fused depth routing when impl is a kernel.
         pallas_kernel_calls=compiled.as_text().count('custom_call_target="tpu_custom_call"'),
     )

@@ -148,7 +148,7 @@ def main(argv):
     m = cfg.model
     device = jax.devices()[0]
     print(
-        f"{cfg.get('scale', '?')}: d={m.d_model} L={m.n_layers} block_layers={m.residual.block_layers} "
+        f"{cfg.scale or '?'}: d={m.d_model} L={m.n_layers} block_layers={m.residual.block_layers} "
         f"batch={batch} seq={seq_len} dtype={m.dtype} remat={m.remat} scan_layers={m.scan_layers} "
         f"device={jax.device_count()} x {device.device_kind} ({device.platform}); "
         f"{_ROUNDS.value} rounds x {_STEPS.value} steps per mode",

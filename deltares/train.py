@@ -99,7 +99,7 @@ def check_train_config(cfg) -> None:
         raise TrainError(f"config.train.global_batch={t.global_batch} is not divisible by micro_batches={t.micro_batches}")
     if not isinstance(cfg.data.seq_len, int) or cfg.data.seq_len < 1:
         raise TrainError(f"config.data.seq_len={cfg.data.seq_len!r} must be a positive integer")
-    profile = tuple(t.get("profile_steps") or ())
+    profile = tuple(t.profile_steps or ())
     if profile and not (
         len(profile) == 2 and all(type(s) is int for s in profile) and 1 <= profile[0] < profile[1]
     ):
@@ -263,9 +263,9 @@ def _start_state(cfg, workdir: str, training: ShardedTraining, ckpt: Checkpointe
         data_iter.set_state(data_state)
         say(f"resumed {workdir} from step {start}")
         return state, start
-    if cfg.init_from and cfg.get("init_from_hf"):
+    if cfg.init_from and cfg.init_from_hf:
         raise TrainError("set config.init_from or config.init_from_hf, not both")
-    params = _init_from_hf(cfg.init_from_hf, cfg.model) if cfg.get("init_from_hf") else None
+    params = _init_from_hf(cfg.init_from_hf, cfg.model) if cfg.init_from_hf else None
     state = training.init(cfg.seed)
     if cfg.init_from:
         params = _init_from(cfg.init_from, state["params"])

@@ -3,7 +3,7 @@
     from kernels_pallas.depth_route import depth_route
 
 Each kernel's public entry point takes `implementation=` ("xla", "pallas_tpu", "pallas_gpu",
-None = best available) and falls back to the XLA reference when a kernel cannot run.
+"pallas" = the target platform's kernel) and falls back to the XLA reference when a kernel cannot run.
 """
 
 from __future__ import annotations

@@ -278,3 +278,90 @@ def test_dry_run_command_reads_and_writes_nothing(tmp_path):
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
         "error: config.model.n_kv_heads=3 is invalid: must divide n_heads=20")
+
+
+# ----------------------------------------------------------------------------- the schema
+
+
+def _all_fields():
+    from deltares.nn.config import MODEL_FIELDS
+    from deltares.training.configs import BASE_FIELDS
+
+    return [("config." + f.name, f) for f in BASE_FIELDS] + [("config.model." + f.name, f) for f in MODEL_FIELDS]
+
+
+def _full_config():
+    from deltares.nn.config import model_config
+    from deltares.training.configs import base_config
+
+    cfg = base_config()
+    cfg.model = model_config()
+    return cfg
+
+
+def _at(tree, dotted):
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+def test_every_schema_field_is_built_with_its_default():
+    from ml_collections.config_dict import FieldReference
+
+    cfg = _full_config()
+    for name, field in _all_fields():
+        value = _at(cfg, name[len("config."):])
+        assert value == field.default, name
+        if field.default is None:  # an unset field is a typed placeholder, overridable by --config.x.y=
+            section, key = name[len("config."):].rsplit(".", 1)
+            ref = _at(cfg, section).get_ref(key)
+            assert isinstance(ref, FieldReference) and ref.get_type() is field.type, name
+    from deltares.training.configs import describe_config
+
+    listing = describe_config()
+    assert all(f"| {name} |" in listing for name, _ in _all_fields())
+
+
+WRONG_TYPE = {bool: 1, int: "8", float: "fast", str: 3, tuple: 5}
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _all_fields()])
+def test_wrong_type_or_disallowed_value_names_the_field(name):
+    import ml_collections
+
+    from deltares.training.configs import validate_config
+
+    fields = dict(_all_fields())
+    field = fields[name]
+    bad_values = [WRONG_TYPE[field.type]]
+    if isinstance(field.allowed, tuple):
+        bad_values.append("not_" + str(field.allowed[0]))
+    elif field.allowed in ("positive", "non-negative"):
+        bad_values.append(-1)
+    for bad in bad_values:
+        tree = _full_config().to_dict()
+        *sections, key = name[len("config."):].split(".")
+        (_at(tree, ".".join(sections)) if sections else tree)[key] = bad
+        with pytest.raises(ValueError, match=re.escape(name) + "="):
+            validate_config(ml_collections.ConfigDict(tree))
+    validate_config(_full_config())
+
+
+def test_old_saved_config_missing_new_fields_loads():
+    import ml_collections
+
+    from deltares.training.configs import validate_config, with_schema_defaults
+
+    saved = load("debug").get_config("delta_block").to_dict()
+    for section, key in (("model.residual", "impl"), ("model.residual", "gate"), ("model.residual", "null_source"),
+                         ("model.residual", "interpret"), ("train", "wandb"), ("train", "profile_steps"),
+                         ("optim", "routing_lr"), ("", "init_from_hf")):
+        del (_at(saved, section) if section else saved)[key]
+    with pytest.raises(ValueError, match=r"config\.init_from_hf is missing"):
+        validate_config(ml_collections.ConfigDict(saved))
+    filled = with_schema_defaults(saved)
+    assert filled["model"]["residual"]["impl"] == "xla" and filled["train"]["wandb"]["project"] == ""
+    assert filled["model"]["residual"]["block_layers"] == saved["model"]["residual"]["block_layers"]
+    cfg = ml_collections.ConfigDict(filled)
+    validate_config(cfg)
+    Transformer(cfg.model)

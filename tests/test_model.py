@@ -541,9 +541,9 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize("overrides,field", BAD_CONFIGS, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_CONFIGS)])
 def test_bad_config_raises_at_construction(overrides, field):
     overrides = dict(overrides)
-    residual = dict(mode="delta_block", block_layers=2, include_partial=True)
-    residual.update(overrides.pop("residual", {}))
     full = model_config(**DEBUG).to_dict()
+    residual = {**full["residual"], "mode": "delta_block", "block_layers": 2, "include_partial": True}
+    residual.update(overrides.pop("residual", {}))
     full.update(overrides)
     full["residual"] = residual
     # Built from a plain dict: ConfigDict's own type checks only guard re-assignment (a float or

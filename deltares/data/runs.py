@@ -22,7 +22,7 @@ def run_tokenizer(config) -> str:
     tokenizer = config["data"]["tokenizer"]
     if tokenizer != FROM_HF:
         return tokenizer
-    if not config.get("init_from_hf"):
+    if not config["init_from_hf"]:
         raise DataError(f"config.data.tokenizer={FROM_HF!r} needs config.init_from_hf")
     return f"hf:{config['init_from_hf']}"
 

@@ -293,8 +293,8 @@ def hf_config(cfg, dtype: str, template: dict | None = None) -> dict:
         residual_mode=res.mode,
         residual_block_layers=res.block_layers,
         residual_include_partial=res.include_partial,
-        residual_gate=res.get("gate", False),
-        residual_null_source=res.get("null_source", False),
+        residual_gate=res.gate,
+        residual_null_source=res.null_source,
     )
     out.setdefault("max_position_embeddings", 40960)
     return out
@@ -350,7 +350,7 @@ def _fresh_routing(cfg) -> dict:
     """Initial routing parameters of one router, from DepthRouter's own initialisers."""
     res = cfg.residual
     D = cfg.d_model
-    router = DepthRouter(res.get("gate", False), res.get("null_source", False))
+    router = DepthRouter(res.gate, res.null_source)
     args = (jnp.zeros((1, 1, 1, D)), jnp.ones((1, 1, 1)), jnp.ones((1,), bool), jnp.zeros((1, 1, D)))
     return jax.tree.map(np.asarray, nn.meta.unbox(router.init(jax.random.key(0), *args)["params"]))
 

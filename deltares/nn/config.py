@@ -1,4 +1,5 @@
-"""Model configuration: defaults and validation of `config.model`.
+"""Model configuration: the schema of `config.model` (MODEL_FIELDS: each field's type, default,
+allowed values and help, declared once), building, validating and describing configs from it.
 
 Every field a user can get wrong is checked here, when the config or the model
 is built, so a bad value is a `ValueError` naming the field, never an XLA shape
@@ -7,86 +8,183 @@ error deep inside a compile.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
 import jax.numpy as jnp
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")
 BLOCK_MODES = ("block_attnres", "delta_block")
 REPLACEMENT_MODES = ("full_attnres", "block_attnres")
 ADDITIVE_MODES = ("delta", "delta_block")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMAT_POLICIES = ("none", "full", "dots")
-ROUTING_IMPLS = ("xla", "pallas", "pallas_tpu", "pallas_gpu")  # see DepthRouter
+# config.model.remat -> the jax.checkpoint policy of each layer (None: no rematerialisation)
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+# config.model.residual.impl, also kernels_pallas.depth_route's `implementation`: "pallas" is the
+# kernel of the target platform (falling back to xla where none runs), the others force one.
+ROUTING_IMPLS = ("xla", "pallas", "pallas_tpu", "pallas_gpu")
+POSITIVE = "positive"  # Field.allowed for a number > 0
+NON_NEGATIVE = "non-negative"
 
-_POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
+
+class Field(NamedTuple):
+    """One config field, declared once: dotted `name`, `default` (None: unset, a typed
+    placeholder), `type`, `allowed` (a tuple of values, POSITIVE, NON_NEGATIVE or None: any)
+    and `help`."""
+
+    name: str
+    default: Any
+    type: type
+    allowed: Any = None
+    help: str = ""
 
 
-def model_config(**overrides) -> ml_collections.ConfigDict:
-    """A `config.model` with Qwen3 defaults; `overrides` set any field."""
-    cfg = ml_collections.ConfigDict(
-        dict(
-            vocab_size=151936,
-            d_model=1024,
-            n_layers=28,
-            n_heads=16,
-            n_kv_heads=8,
-            head_dim=128,
-            d_ff=3072,
-            rope_theta=1e6,
-            norm_eps=1e-6,
-            tie_embeddings=True,
-            dtype="bfloat16",
-            param_dtype="float32",
-            scan_layers=True,
-            remat="none",
-            residual=dict(mode="delta_block", block_layers=4, include_partial=True, impl="xla", interpret=False,
-                          gate=False, null_source=False),
-        )
-    )
-    residual = overrides.pop("residual", {})
-    cfg.update(overrides)
-    cfg.residual.update(residual)
+MODEL_FIELDS = (
+    Field("vocab_size", 151936, int, POSITIVE, "vocabulary size (embedding and LM head rows)"),
+    Field("d_model", 1024, int, POSITIVE, "model width D"),
+    Field("n_layers", 28, int, POSITIVE, "decoder layers (an attention and an MLP sublayer each)"),
+    Field("n_heads", 16, int, POSITIVE, "query heads"),
+    Field("n_kv_heads", 8, int, POSITIVE, "key/value heads (grouped-query attention); divides n_heads"),
+    Field("head_dim", 128, int, POSITIVE, "width of one attention head"),
+    Field("d_ff", 3072, int, POSITIVE, "MLP (SwiGLU) hidden width"),
+    Field("rope_theta", 1e6, float, POSITIVE, "rotary embedding base"),
+    Field("norm_eps", 1e-6, float, POSITIVE, "RMSNorm epsilon (also the depth routers' key norm)"),
+    Field("tie_embeddings", True, bool, None, "the LM head is the embedding's transpose"),
+    Field("dtype", "bfloat16", str, tuple(DTYPES), "activation and matmul dtype"),
+    Field("param_dtype", "float32", str, tuple(DTYPES), "parameter dtype"),
+    Field("scan_layers", True, bool, None, "layers under nn.scan (one compiled layer) instead of unrolled"),
+    Field("remat", "none", str, tuple(REMAT_POLICIES), "per-layer rematerialisation: none, full (save nothing), "
+          "dots (save matmuls without batch dimensions)"),
+    Field("residual.mode", "delta_block", str, MODES, "residual scheme (DESIGN.md section 3)"),
+    Field("residual.block_layers", 4, int, POSITIVE, "layers per block of the block modes; at most n_layers"),
+    Field("residual.include_partial", True, bool, None, "route over the current block's partial sum too"),
+    Field("residual.impl", "xla", str, ROUTING_IMPLS, "depth routing: xla, or the fused Pallas kernel (pallas: the "
+          "target platform's; no routing weights, no null source)"),
+    Field("residual.interpret", False, bool, None, "run the Pallas kernel in interpret mode (CPU tests)"),
+    Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "
+          "additive modes)"),
+    Field("residual.null_source", False, bool, None, "a learned null source in every routing (additive modes)"),
+)
+
+
+def _lookup(cfg, name: str):
+    """The value of dotted `name` in a (Config)dict; KeyError when any part is missing."""
+    value = cfg
+    for part in name.split("."):
+        value = value[part]
+    return value
+
+
+def build_config(fields, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """A ConfigDict with every field of `fields` at its default (unset fields as typed placeholders),
+    then `overrides` (nested dicts) applied."""
+    tree: dict = {}
+    for f in fields:
+        *sections, key = f.name.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[key] = placeholder(f.type) if f.default is None else f.default
+    cfg = ml_collections.ConfigDict(tree)
+    _update(cfg, overrides or {})
     return cfg
 
 
-def _fail(field: str, value, allowed: str):
-    raise ValueError(f"config.model.{field}={value!r} is invalid: {allowed}")
+def _update(cfg, overrides: dict) -> None:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), ml_collections.ConfigDict):
+            _update(cfg[key], value)
+        else:
+            cfg[key] = value
+
+
+def with_defaults(fields, saved: dict) -> dict:
+    """A copy of the plain dict `saved` (e.g. an old checkpoint's config) with every field of `fields`
+    it lacks set to its default: the one place where configs saved before a field existed are filled."""
+    out = _copy(saved)
+    for f in fields:
+        *sections, key = f.name.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node.setdefault(key, f.default)
+    return out
+
+
+def _copy(tree):
+    return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _fail(prefix: str, field: str, value, allowed: str):
+    raise ValueError(f"{prefix}{field}={value!r} is invalid: {allowed}")
+
+
+def check_fields(fields, cfg, prefix: str) -> None:
+    """Raise `ValueError` naming (as `prefix` + name) the first field of `fields` that `cfg` lacks,
+    or whose value has the wrong type or is not allowed."""
+    for f in fields:
+        try:
+            value = _lookup(cfg, f.name)
+        except (KeyError, AttributeError):
+            raise ValueError(f"{prefix}{f.name} is missing") from None
+        if value is None and f.default is None:
+            continue
+        if f.type is bool:
+            ok, want = isinstance(value, bool), "must be true or false"
+        elif f.type is int:
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "must be an integer"
+        elif f.type is float:
+            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "must be a number"
+        elif f.type is tuple:
+            ok, want = isinstance(value, (tuple, list)), "must be a sequence"
+        else:
+            ok, want = isinstance(value, f.type), f"must be a {f.type.__name__}"
+        if not ok:
+            _fail(prefix, f.name, value, want)
+        if f.allowed == POSITIVE and not value > 0:
+            _fail(prefix, f.name, value, "must be positive")
+        elif f.allowed == NON_NEGATIVE and not value >= 0:
+            _fail(prefix, f.name, value, "must be non-negative")
+        elif isinstance(f.allowed, tuple) and value not in f.allowed:
+            _fail(prefix, f.name, value, f"allowed: {', '.join(map(str, f.allowed))}")
+
+
+def describe(fields, prefix: str) -> str:
+    """A Markdown table of `fields`: name, type, default, allowed, help (for --helpconfig)."""
+    lines = ["| field | type | default | allowed | help |", "|---|---|---|---|---|"]
+    for f in fields:
+        allowed = ", ".join(map(str, f.allowed)) if isinstance(f.allowed, tuple) else (f.allowed or "")
+        default = "unset" if f.default is None else repr(f.default)
+        lines.append(f"| {prefix}{f.name} | {f.type.__name__} | {default} | {allowed} | {f.help} |")
+    return "\n".join(lines)
+
+
+def model_config(**overrides) -> ml_collections.ConfigDict:
+    """A `config.model` with Qwen3 defaults (MODEL_FIELDS); `overrides` set any field
+    (`residual=dict(...)` its residual fields)."""
+    return build_config(MODEL_FIELDS, overrides)
 
 
 def validate_model_config(cfg) -> None:
     """Raise `ValueError` naming the first invalid field of a `config.model`."""
-    for field in _POSITIVE_INTS:
-        value = cfg[field]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            _fail(field, value, "must be a positive integer")
+    check_fields(MODEL_FIELDS, cfg, "config.model.")
+    prefix = "config.model."
     if cfg.n_heads % cfg.n_kv_heads:
-        _fail("n_kv_heads", cfg.n_kv_heads, f"must divide n_heads={cfg.n_heads}")
-    for field in ("tie_embeddings", "scan_layers", "residual.include_partial", "residual.gate", "residual.null_source",
-                  "residual.interpret"):
-        value = cfg.residual.get(field[9:], False) if field.startswith("residual.") else cfg[field]
-        if not isinstance(value, bool):
-            _fail(field, value, "must be true or false")
-    for field in ("rope_theta", "norm_eps"):
-        if not cfg[field] > 0:
-            _fail(field, cfg[field], "must be positive")
-    for field in ("dtype", "param_dtype"):
-        if cfg[field] not in DTYPES:
-            _fail(field, cfg[field], f"allowed: {', '.join(DTYPES)}")
-    if cfg.remat not in REMAT_POLICIES:
-        _fail("remat", cfg.remat, f"allowed: {', '.join(REMAT_POLICIES)}")
+        _fail(prefix, "n_kv_heads", cfg.n_kv_heads, f"must divide n_heads={cfg.n_heads}")
     res = cfg.residual
-    if res.mode not in MODES:
-        _fail("residual.mode", res.mode, f"allowed: {', '.join(MODES)}")
-    if res.get("impl", "xla") not in ROUTING_IMPLS:
-        _fail("residual.impl", res.impl, f"allowed: {', '.join(ROUTING_IMPLS)}")
     for field in ("gate", "null_source"):
-        if res.get(field, False) and res.mode not in ADDITIVE_MODES:
-            _fail(f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
-    if res.get("impl", "xla") != "xla" and res.get("null_source", False):
-        _fail("residual.impl", res.impl, "the Pallas kernel has no null source; use impl='xla' with null_source")
-    block = res.block_layers
-    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= cfg.n_layers:
-        _fail("residual.block_layers", block, f"must be an integer in [1, n_layers={cfg.n_layers}]")
+        if res[field] and res.mode not in ADDITIVE_MODES:
+            _fail(prefix, f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
+    if res.impl != "xla" and res.null_source:
+        _fail(prefix, "residual.impl", res.impl, "no null source in the Pallas kernel; use 'xla'")
+    if res.block_layers > cfg.n_layers:
+        _fail(prefix, "residual.block_layers", res.block_layers, f"must be an integer in [1, n_layers={cfg.n_layers}]")
 
 
 def dtype_of(name: str):

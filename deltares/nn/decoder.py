@@ -55,10 +55,10 @@ class DecoderLayer(nn.Module):
         norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
         if plan.uses_sources:
             res = cfg.residual
-            impl = "xla" if self.return_stats else res.get("impl", "xla")  # statistics need the weights
-            router_module = DepthRouter(res.get("gate", False), res.get("null_source", False), impl,
-                                        res.get("interpret", False), cfg.norm_eps, name=f"{router}_router")
-            x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.get("null_source", False))
+            impl = "xla" if self.return_stats else res.impl  # statistics need the weights
+            router_module = DepthRouter(res.gate, res.null_source, impl, res.interpret, cfg.norm_eps,
+                                        name=f"{router}_router")
+            x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.null_source)
             stats = routing_stats(weights_SBT, routed) if self.return_stats else None
         else:
             x_BTD, stats = state.h_BTD, (empty_stats(plan.n_slots) if self.return_stats else None)

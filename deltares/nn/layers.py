@@ -246,8 +246,7 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
     from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
 
     def route(sources, valid, query, gain, residual):
-        implementation = None if impl == "pallas" else impl
-        return depth_route(sources, valid, query, gain, residual, implementation=implementation, interpret=interpret,
+        return depth_route(sources, valid, query, gain, residual, implementation=impl, interpret=interpret,
                            eps=eps)
 
     mesh = jax.sharding.get_abstract_mesh()

@@ -14,16 +14,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from deltares.nn.config import dtype_of, validate_model_config
+from deltares.nn.config import REMAT_POLICIES, dtype_of, validate_model_config
 from deltares.nn.decoder import DecoderLayer
 from deltares.nn.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
 from deltares.nn.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
 from deltares.nn.residual import plan_for
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 def _frozen(cfg):
@@ -120,7 +115,7 @@ class Transformer(nn.Module):
 
         if plan.replaces_stream:
             res = cfg.residual
-            final_router = DepthRouter(impl=res.get("impl", "xla"), interpret=res.get("interpret", False),
+            final_router = DepthRouter(impl=res.impl, interpret=res.interpret,
                                        eps=cfg.norm_eps, name="final_router")
         else:
             final_router = None

@@ -19,6 +19,7 @@ from etils import epath
 
 from deltares.data import paths
 from deltares.nn.model import Transformer
+from deltares.training.configs import with_schema_defaults
 from deltares.training.sharding import state_shardings
 from deltares.training.steps import abstract_params
 
@@ -66,7 +67,9 @@ class Checkpointer:
         return out.state, out.data
 
     def config(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        """The saved config of `step`, with fields added since it was written at their defaults."""
+        saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        return with_schema_defaults(saved)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -138,7 +141,7 @@ def load_checkpoint(path: str, want_state: bool = True, mesh=None) -> LoadedChec
     `mesh` by the logical rules of the saved model config."""
     directory, step = find_checkpoint(path)
     step_dir = paths.join(directory, str(step))
-    config = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(paths.join(step_dir, "config"))
+    config = with_schema_defaults(ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(paths.join(step_dir, "config")))
     state = None
     if want_state:
         state = restore_params(paths.join(step_dir, "state"), ml_collections.ConfigDict(config).model, mesh)

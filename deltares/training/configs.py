@@ -10,7 +10,11 @@ from __future__ import annotations
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from deltares.nn.config import MODES, model_config, validate_model_config
+from deltares.nn.config import (
+    MODEL_FIELDS, MODES, NON_NEGATIVE, POSITIVE, Field, build_config, check_fields, describe, model_config,
+    validate_model_config, with_defaults,
+)
+from deltares.training.optim import DECAY_MASKS
 
 VARIANT_KEYS = {
     "block_layers": int,
@@ -60,54 +64,80 @@ PAPER_RECIPE = dict(
 )
 
 
+# Every field of an experiment except `model` (deltares.nn.config.MODEL_FIELDS), declared once.
+# A default of None is an unset field (a typed placeholder, still overridable from the command line).
+BASE_FIELDS = (
+    Field("scale", "", str, None, "the experiment's scale name (experiments/<scale>.py)"),
+    Field("seed", 0, int, None, "parameter initialisation and data order"),
+    Field("init_from", "", str, None, "a workdir or checkpoint directory to take parameters from"),
+    Field("init_from_hf", "", str, None, "a Hugging Face Qwen3 directory to take parameters from "
+          "(deltares.interop.hf)"),
+    Field("force", False, bool, None, "resume a workdir whose checkpoint has another config"),
+    Field("mesh.data", 1, int, None, "device mesh: data-parallel ways (-1: the remaining devices)"),
+    Field("mesh.fsdp", -1, int, None, "device mesh: FSDP ways (-1: the remaining devices)"),
+    Field("mesh.tensor", 1, int, None, "device mesh: tensor-parallel ways (-1: the remaining devices)"),
+    Field("data.dataset", "builtin", str, None, "a prepared dataset directory, or builtin (Moby-Dick, prepared "
+          "into the workdir)"),
+    Field("data.tokenizer", "bpe:4096", str, None, "used only to prepare the built-in corpus; init_from_hf: the "
+          "checkpoint's"),
+    Field("data.seq_len", 256, int, POSITIVE, "tokens per sequence"),
+    Field("data.prefetch", 4, int, NON_NEGATIVE, "batches prepared ahead"),
+    Field("train.global_batch", 8, int, POSITIVE, "sequences per step, over all devices"),
+    Field("train.micro_batches", 1, int, POSITIVE, "gradient accumulation: global_batch splits into this many"),
+    Field("train.steps", 1000, int, NON_NEGATIVE, "optimizer steps"),
+    Field("train.log_every", 10, int, POSITIVE, "steps between logged metrics"),
+    Field("train.eval_every", 100, int, NON_NEGATIVE, "steps between evaluations"),
+    Field("train.eval_batches", 20, int, NON_NEGATIVE, "batches per evaluation"),
+    Field("train.stats_every", 100, int, NON_NEGATIVE, "steps between routing statistics"),
+    Field("train.checkpoint_every", 100, int, NON_NEGATIVE, "steps between checkpoints"),
+    Field("train.keep_last", 3, int, POSITIVE, "checkpoints kept"),
+    Field("train.keep_every", 0, int, NON_NEGATIVE, "also keep every checkpoint whose step is a multiple (0: off)"),
+    Field("train.peak_tflops", 0.0, float, NON_NEGATIVE, "per-device peak for MFU; 0 looks the device up "
+          "(deltares.training.metrics)"),
+    Field("train.profile_steps", (), tuple, None, "(start, end): a jax.profiler trace of steps start..end-1 into "
+          "<workdir>/profile"),
+    Field("train.profile_all_processes", False, bool, None, "trace every process, not only process 0"),
+    Field("train.wandb.project", "", str, None, "Weights & Biases project (deltares.training.wandb_tracker); "
+          "off unless set"),
+    Field("train.wandb.entity", "", str, None, "Weights & Biases entity"),
+    Field("train.wandb.name", "", str, None, "Weights & Biases run name"),
+    Field("train.wandb.mode", "", str, None, "Weights & Biases mode: empty (WANDB_MODE's, else online), offline, ..."),
+    Field("optim.lr", 6e-4, float, NON_NEGATIVE, "peak learning rate"),
+    Field("optim.lr_min", 6e-5, float, NON_NEGATIVE, "learning rate at the end of the cosine"),
+    Field("optim.routing_lr", None, float, NON_NEGATIVE, "peak LR of routing parameters; unset: same as lr"),
+    Field("optim.warmup_steps", 1000, int, NON_NEGATIVE, "linear warmup steps"),
+    Field("optim.b1", 0.9, float, None, "AdamW beta1"),
+    Field("optim.b2", 0.95, float, None, "AdamW beta2"),
+    Field("optim.eps", 1e-8, float, POSITIVE, "AdamW epsilon"),
+    Field("optim.weight_decay", 0.1, float, NON_NEGATIVE, "AdamW weight decay"),
+    Field("optim.weight_decay_mask", "matrices", str, DECAY_MASKS, "which parameters decay"),
+    Field("optim.clip_norm", 1.0, float, POSITIVE, "global gradient-norm clip"),
+)
+
+
 def base_config() -> ml_collections.ConfigDict:
-    """Every field of an experiment except `model`, with the paper's optimizer defaults."""
-    return ml_collections.ConfigDict(
-        dict(
-            scale="",
-            seed=0,
-            init_from="",  # a workdir or checkpoint directory to take parameters from
-            init_from_hf="",  # a Hugging Face Qwen3 directory to take parameters from (deltares.interop.hf)
-            force=False,  # resume a workdir whose checkpoint has another config
-            mesh=dict(data=1, fsdp=-1, tensor=1),  # device mesh; -1 takes the remaining devices
-            data=dict(
-                dataset="builtin",  # a prepared dataset directory, or "builtin" (Moby-Dick, prepared into the workdir)
-                tokenizer="bpe:4096",  # used only to prepare the built-in corpus; "init_from_hf": the checkpoint's
-                seq_len=256,
-                prefetch=4,
-            ),
-            train=dict(
-                global_batch=8,
-                micro_batches=1,  # gradient accumulation: global_batch is split into this many micro-batches
-                steps=1000,
-                log_every=10,
-                eval_every=100,
-                eval_batches=20,
-                stats_every=100,
-                checkpoint_every=100,
-                keep_last=3,
-                keep_every=0,  # also keep every checkpoint whose step is a multiple of this (0: off)
-                peak_tflops=0.0,  # per-device peak for MFU; 0 looks the device up (deltares.training.metrics)
-                profile_steps=(),  # (start, end): a jax.profiler trace of steps start..end-1 into <workdir>/profile
-                profile_all_processes=False,  # trace every process, not only process 0
-                # Weights & Biases (deltares.training.wandb_tracker): off unless project is set; mode "" is
-                # WANDB_MODE's, else online ("offline": local files for `wandb sync`)
-                wandb=dict(project="", entity="", name="", mode=""),
-            ),
-            optim=dict(
-                lr=6e-4,
-                lr_min=6e-5,
-                routing_lr=placeholder(float),  # peak LR of routing parameters; unset (None): same as lr
-                warmup_steps=1000,
-                b1=0.9,
-                b2=0.95,
-                eps=1e-8,
-                weight_decay=0.1,
-                weight_decay_mask="matrices",
-                clip_norm=1.0,
-            ),
-        )
-    )
+    """Every field of an experiment except `model` (BASE_FIELDS), with the paper's optimizer defaults."""
+    return build_config(BASE_FIELDS)
+
+
+def validate_config(cfg) -> None:
+    """Raise `ValueError` naming the first invalid field of an experiment config (model included)."""
+    check_fields(BASE_FIELDS, cfg, "config.")
+    validate_model_config(cfg.model)
+
+
+def with_schema_defaults(saved: dict) -> dict:
+    """A saved experiment config (a checkpoint's, a plain dict) with the fields added since it was
+    written set to their defaults; load paths call this, readers then read fields directly."""
+    out = with_defaults(BASE_FIELDS, saved)
+    if "model" in out:
+        out["model"] = with_defaults(MODEL_FIELDS, out["model"])
+    return out
+
+
+def describe_config() -> str:
+    """The schema as a Markdown table (`python -m deltares.train --helpconfig`)."""
+    return describe(BASE_FIELDS, "config.") + "\n" + "\n".join(describe(MODEL_FIELDS, "config.model.").splitlines()[2:])
 
 
 def _set(section: ml_collections.ConfigDict, key: str, value) -> None:
@@ -128,13 +158,7 @@ def experiment(
     """The experiment config of one scale: `config.model` from `model` and the variant in `arg`,
     training fields from `base_config` updated by `recipe` ({'data': {...}, 'train': {...}, ...})."""
     variant = parse_variant(arg)
-    residual = dict(
-        mode=variant["mode"],
-        block_layers=variant.get("block_layers", block_layers),
-        include_partial=variant.get("include_partial", True),
-        gate=variant.get("gate", False),
-        null_source=variant.get("null_source", False),
-    )
+    residual = {"block_layers": block_layers, **variant}  # fields the variant leaves out: the schema's defaults
     cfg = base_config()
     cfg.scale = scale
     for section, fields in (recipe or {}).items():

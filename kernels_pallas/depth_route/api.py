@@ -2,7 +2,7 @@
 
     z_i = w . RMSNorm_g(s_i)    a = softmax_i(z) over valid sources    out = [residual +] sum_i a_i s_i
 
-`depth_route(sources, valid, query, gain, residual=None, *, implementation=None)` means what
+`depth_route(sources, valid, query, gain, residual=None, *, implementation="pallas")` means what
 `deltares.nn.routing.depth_route` means (the oracle, here the "xla" implementation) and returns
 the output only, in the sources' dtype. The kernels ("pallas_tpu": Mosaic, "pallas_gpu":
 Triton) make one pass over the sources per token tile: each source's 1/rms and logit against
@@ -17,7 +17,7 @@ only valid sources in the reads (invalid ones are skipped without a DMA on TPU).
 Masks: `valid` [S] (static or traced) or anything broadcastable to [S, B, T] (per-token; sent
 to the kernels as a float32 additive bias [S, B*T]). Masked sources get zero gradient.
 
-Dispatch: implementation=None picks the kernel of the platform being targeted (the platform
+Dispatch: implementation="pallas" picks the kernel of the platform being targeted (the platform
 of the surrounding mesh, e.g. a `jax.set_mesh` or `jax.shard_map` over TPU devices compiled
 ahead of time, else `jax.default_backend()`): TPU -> pallas_tpu, GPU -> pallas_gpu, else xla.
 A kernel that cannot run (another platform without interpret=True, or shapes it cannot tile)
@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 
 from deltares.nn import routing
+from deltares.nn.config import ROUTING_IMPLS as IMPLEMENTATIONS  # one spelling: config.model.residual.impl
 from kernels_pallas import varying_axes, vary_like
 from kernels_pallas.depth_route import reference
 
-IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
 _PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 _WARNED: set[str] = set()
 
@@ -76,7 +76,9 @@ def _backend(impl: str):
 
 def _resolve(implementation, interpret, N, D, dtype) -> str:
     platform = target_platform()
-    impl = implementation or {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
+    impl = implementation
+    if impl == "pallas":
+        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
     if impl == "xla":
         return impl
     want = _PLATFORM_OF[impl]
@@ -129,17 +131,17 @@ def _route_bwd(cfg, saved, dout_ND):
 _route.defvjp(_route_fwd, _route_bwd)
 
 
-def depth_route(sources, valid, query, gain, residual=None, *, implementation=None, interpret=False,
+def depth_route(sources, valid, query, gain, residual=None, *, implementation="pallas", interpret=False,
                 eps=routing.NORM_EPS):
     """Route over `sources` [S, B, T, D] (see the module docstring); returns [B, T, D].
 
-    implementation: "xla", "pallas_tpu", "pallas_gpu" or None (best for the target platform).
+    implementation: "xla", "pallas" (the kernel of the target platform), "pallas_tpu" or "pallas_gpu".
     interpret: run the Pallas kernel in interpret mode (on CPU, for tests): True, or for
       pallas_tpu a `pltpu.InterpretParams()` for the TPU interpret mode.
     eps: the key norm's, 1 / sqrt(mean(s^2) + eps) (config.model.norm_eps in the model).
     """
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     valid = jnp.asarray(valid, bool)
     _check(sources, valid, query, gain, residual, eps)
     S, B, T, D = sources.shape

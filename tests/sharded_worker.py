@@ -124,7 +124,7 @@ def tensor_split_routing():
     out = {"inputs": {k: np.asarray(v).tolist() for k, v in inputs.items()}}
     for name, mesh_cfg in {"tensor4_data2": dict(data=2, fsdp=1, tensor=4), **MESHES}.items():
         mesh = make_mesh(ml_collections.ConfigDict(mesh_cfg))
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):  # the rules place D and the batch
             (_, (got_out, got_weights)), got_grads = jax.jit(grad, static_argnums=0)(xla_route, *args)
             text = str(jax.make_jaxpr(lambda *a: xla_route(a[0], routing.inv_rms(a[0]), inputs["valid"], *a[1:]))(*args))
         out[name] = {

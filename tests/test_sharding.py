@@ -88,3 +88,25 @@ def test_checkpoint_restores_on_another_mesh(results):
 
 def test_warns_when_parameters_are_not_sharded(results):
     assert any("of parameter bytes are sharded" in w for w in results["warnings"]), results["warnings"]
+
+
+def test_shard_map_specs_come_from_the_logical_rules():
+    """deltares.nn.layers.shard_spec reads the rules in context (no mesh axis names in nn): under
+    LOGICAL_RULES the buffer's batch goes to data x fsdp and D to tensor; other rules move them,
+    no rules keep everything whole, size-1 axes drop and uneven dimensions stay whole."""
+    import flax.linen as nn
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from deltares.nn.layers import SOURCES_AXES, shard_spec
+    from deltares.training.sharding import LOGICAL_RULES
+
+    mesh = AbstractMesh((2, 2, 4), ("data", "fsdp", "tensor"))
+    with nn.logical_axis_rules(LOGICAL_RULES):
+        assert shard_spec(mesh, SOURCES_AXES, (5, 4, 3, 16)) == P(None, ("data", "fsdp"), None, "tensor")
+        assert shard_spec(mesh, SOURCES_AXES, (5, 6, 3, 18)) == P(None, None, None, None)  # 4 and 4 do not divide
+        assert shard_spec(AbstractMesh((1, 2, 1), ("data", "fsdp", "tensor")), SOURCES_AXES, (5, 4, 3, 16)) == P(
+            None, "fsdp", None, None)
+    with nn.logical_axis_rules((("batch", "tensor"), ("act_embed", "data"))):
+        assert shard_spec(mesh, SOURCES_AXES, (5, 4, 3, 16)) == P(None, "tensor", None, "data")
+    assert shard_spec(mesh, SOURCES_AXES, (5, 4, 3, 16)) == P(None, None, None, None)

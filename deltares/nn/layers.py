@@ -209,39 +209,48 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     return out_BTD.astype(sources_SBTD.dtype), weights_SBT
 
 
-def _batch_axes(mesh, batch: int):
-    """The mesh axes the batch is split over (None: whole), as the logical rules place it."""
-    axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
-    return axes if axes and batch % math.prod(mesh.shape[a] for a in axes) == 0 else None
+def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
+    """The `jax.shard_map` spec of an array with logical axis `names` and `shape` on `mesh`, from
+    the logical axis rules in context (`nn.logical_axis_rules`; training and AOT set
+    deltares.training.sharding.LOGICAL_RULES): mesh axes of size 1 are dropped, and a dimension
+    its axes do not divide evenly stays whole. Without rules every dimension is whole."""
+    spec = []
+    for axes, size in zip(nn.logical_to_mesh_axes(names), shape):
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape.get(a, 1) > 1)
+        if not axes or size % math.prod(mesh.shape[a] for a in axes):
+            spec.append(None)
+        else:
+            spec.append(axes[0] if len(axes) == 1 else axes)
+    return jax.sharding.PartitionSpec(*spec)
 
 
-def _model_axis(mesh, d_model: int):
-    """The mesh axis the activations' model dimension is split over, if any."""
-    return "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 and d_model % mesh.shape["tensor"] == 0 else None
+SOURCES_AXES = ("sources", "batch", "length", "act_embed")  # the depth-source buffer [S, B, T, D]
 
 
 def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=None, null_D=None,
               eps: float = routing.NORM_EPS):
-    """`routing.route_normalized`; under a mesh that splits the model dimension over `tensor`, it
-    runs inside `jax.shard_map` on each device's slice of D: partial logits, `psum` over `tensor`,
-    then local softmax and weighted sum, so the source buffer is never gathered."""
+    """`routing.route_normalized`; where the logical rules split the buffer's model dimension
+    (`act_embed`) over mesh axes, it runs inside `jax.shard_map` on each device's slice of D:
+    partial logits, `psum` over those axes, then local softmax and weighted sum, so the source
+    buffer is never gathered. Batch and model axes come from `shard_spec`."""
     mesh = jax.sharding.get_abstract_mesh()
-    model_axis = None if mesh.empty else _model_axis(mesh, sources_SBTD.shape[-1])
     args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D)
-    if model_axis is None:
+    sbtd = None if mesh.empty else shard_spec(mesh, SOURCES_AXES, sources_SBTD.shape)
+    if sbtd is None or sbtd[3] is None:
         return routing.route_normalized(*args, eps=eps)
-    batch = _batch_axes(mesh, sources_SBTD.shape[1])
     P = jax.sharding.PartitionSpec
-    sbt, btd, d = P(None, batch, None), P(batch, None, model_axis), P(model_axis)
-    specs = (P(None, batch, None, model_axis), sbt, P(), d, d, btd, d)
-    route = functools.partial(routing.route_normalized, model_axis=model_axis, eps=eps)
+    batch, model_axes = sbtd[1], sbtd[3]
+    sbt, btd, d = P(None, batch, None), P(batch, None, model_axes), P(model_axes)
+    specs = (sbtd, sbt, P(), d, d, btd, d)
+    route = functools.partial(routing.route_normalized, model_axis=model_axes, eps=eps)
     return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*args)
 
 
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
                  eps: float = routing.NORM_EPS):
     """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of
-    several devices it runs inside `jax.shard_map`, tokens split over the batch axes, D whole
+    several devices it runs inside `jax.shard_map`, tokens split over the batch's mesh axes
+    (`shard_spec`), D whole
     (the kernel normalises each source itself, so a D split over `tensor` is gathered)."""
     from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
 
@@ -252,8 +261,8 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
-    batch = _batch_axes(mesh, sources_SBTD.shape[1])
     P = jax.sharding.PartitionSpec
-    btd = P(batch, None, None)
-    fn = jax.shard_map(route, mesh=mesh, in_specs=(P(None, batch, None, None), P(), P(), P(), btd), out_specs=btd)
+    sbtd = shard_spec(mesh, SOURCES_AXES[:3] + (None,), sources_SBTD.shape)  # D whole
+    btd = P(*sbtd[1:])
+    fn = jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P(), btd), out_specs=btd)
     return fn(sources_SBTD, valid, query_D, gain_D, residual_BTD)

@@ -391,6 +391,11 @@ def print_dry_run(cfg, r: dict) -> None:
 
 def main(argv):
     del argv
+    if _HELPCONFIG.value:
+        from deltares.training.configs import describe_config  # noqa: PLC0415 - only for this listing
+
+        print(describe_config())
+        return
     if _CONFIG.value is None or not (_WORKDIR.value or _DRY_RUN.value):
         raise app.UsageError("--config and --workdir are required")
     logging.set_verbosity(logging.WARNING)  # orbax and jax log every save at INFO
@@ -415,12 +420,13 @@ def main(argv):
 def cli() -> None:
     """The command line (`python -m deltares.train`, `deltares-train`); flags only here, so modules
     import side by side."""
-    global _CONFIG, _WORKDIR, _DRY_RUN
+    global _CONFIG, _WORKDIR, _DRY_RUN, _HELPCONFIG
     _CONFIG = config_flags.DEFINE_config_file(
         "config", None, "Experiment file, e.g. experiments/tiny.py:delta_block (or a shipped one by name: tiny:delta_block)."
     )
     _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard events.")
     _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config and build one abstract train step; no run.")
+    _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "List every config field (type, default, allowed values, help).")
     from deltares import entry
 
     entry.run(main)

@@ -35,7 +35,7 @@ from deltares.data import paths
 from deltares.data.prepare import DataError
 from deltares.data.runs import RunData, open_run_data, unigram_perplexity
 from deltares.interop import hf
-from deltares.nn.config import validate_model_config
+from deltares.training.configs import validate_config
 from deltares.training.checkpoint import Checkpointer, load_checkpoint
 from deltares.training.evaluation import evaluate
 from deltares.training.memory import PeakMemory
@@ -92,24 +92,23 @@ def config_json(cfg) -> dict:
 
 def check_train_config(cfg) -> None:
     t = cfg.train
-    for field in ("global_batch", "micro_batches", "steps", "log_every", "eval_every", "checkpoint_every", "keep_last"):
-        if not isinstance(t[field], int) or t[field] < 1:
-            raise TrainError(f"config.train.{field}={t[field]!r} must be a positive integer")
+    if not cfg.data.dataset:  # unset in the paper-scale experiments: the command line names it
+        raise TrainError(
+            "config.data.dataset is not set: prepare a corpus with `python -m deltares.data.prepare --out DIR` "
+            "and pass --config.data.dataset=DIR (or 'builtin' for the shipped Moby-Dick)"
+        )
+    try:
+        validate_config(cfg)  # every field's type and allowed values (the schema, deltares.training.configs)
+    except ValueError as err:
+        raise TrainError(str(err)) from None
     if t.global_batch % t.micro_batches:
         raise TrainError(f"config.train.global_batch={t.global_batch} is not divisible by micro_batches={t.micro_batches}")
-    if not isinstance(cfg.data.seq_len, int) or cfg.data.seq_len < 1:
-        raise TrainError(f"config.data.seq_len={cfg.data.seq_len!r} must be a positive integer")
     profile = tuple(t.profile_steps or ())
     if profile and not (
         len(profile) == 2 and all(type(s) is int for s in profile) and 1 <= profile[0] < profile[1]
     ):
         raise TrainError(
             f"config.train.profile_steps={t.profile_steps!r} must be (start, end), integers with 1 <= start < end"
-        )
-    if not cfg.data.dataset:  # unset in the paper-scale experiments: the command line names it
-        raise TrainError(
-            "config.data.dataset is not set: prepare a corpus with `python -m deltares.data.prepare --out DIR` "
-            "and pass --config.data.dataset=DIR (or 'builtin' for the shipped Moby-Dick)"
         )
 
 
@@ -120,7 +119,6 @@ def dry_run(cfg) -> dict:
     devices). Neither the dataset nor `init_from*` is read and nothing is written."""
     check_train_config(cfg)
     try:
-        validate_model_config(cfg.model)
         mesh = make_mesh(cfg.mesh)
         training = sharded_train_step(cfg, mesh)
     except ValueError as err:

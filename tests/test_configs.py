@@ -365,3 +365,16 @@ def test_old_saved_config_missing_new_fields_loads():
     cfg = ml_collections.ConfigDict(filled)
     validate_config(cfg)
     Transformer(cfg.model)
+
+
+@pytest.mark.parametrize("scale", EXPERIMENTS)
+def test_every_experiment_satisfies_the_schema(scale):
+    from deltares.train import TrainError, check_train_config
+
+    for mode in MODES:
+        cfg = load(scale).get_config(mode)
+        cfg.data.dataset = cfg.data.dataset or "data/fineweb"
+        check_train_config(cfg)
+    cfg.train.eval_every = 0
+    with pytest.raises(TrainError, match=r"config\.train\.eval_every=0"):
+        check_train_config(cfg)

@@ -347,9 +347,11 @@ def test_wrong_type_or_disallowed_value_names_the_field(name):
     validate_config(_full_config())
 
 
-def test_old_saved_config_missing_new_fields_loads():
+def test_old_saved_config_missing_new_fields_loads(tmp_path):
     import ml_collections
+    import orbax.checkpoint as ocp
 
+    from deltares.training.checkpoint import load_checkpoint
     from deltares.training.configs import validate_config, with_schema_defaults
 
     saved = load("debug").get_config("delta_block").to_dict()
@@ -365,6 +367,11 @@ def test_old_saved_config_missing_new_fields_loads():
     cfg = ml_collections.ConfigDict(filled)
     validate_config(cfg)
     Transformer(cfg.model)
+    step_dir = tmp_path / "checkpoints" / "7"  # the load path fills the same way
+    (step_dir / "state").mkdir(parents=True)
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(step_dir / "config", args=ocp.args.JsonSave(saved))
+    loaded = load_checkpoint(str(step_dir), want_state=False)
+    assert loaded.step == 7 and loaded.config == filled
 
 
 @pytest.mark.parametrize("scale", EXPERIMENTS)

@@ -229,9 +229,10 @@ def substitute(command: str, paths: dict, used: set | None = None) -> str:
 # ----------------------------------------------------------------------------- how each runs
 
 PAPER_SCALES = "s220m|s533m|s1044m|qwen3_0p6b|s7b6|finetune_qwen3_0p6b"
-SHORT_TRAIN = ("--config.train.steps=3", "--config.train.eval_every=3", "--config.train.checkpoint_every=3",
-               "--config.train.eval_batches=2", "--config.train.log_every=1", "--config.train.stats_every=3")
 DEMO_STEPS = 3
+SHORT_TRAIN = tuple(f"--config.train.{key}={value}" for key, value in (
+    ("steps", DEMO_STEPS), ("eval_every", DEMO_STEPS), ("checkpoint_every", DEMO_STEPS), ("eval_batches", 2),
+    ("log_every", 1), ("stats_every", DEMO_STEPS)))
 # A paper-scale architecture shrunk to seconds for the tools that compile or time a real step
 # (bench, aot); the trainer's own paper-scale commands are dry-run at full size instead.
 SHRINK = ("--config.model.n_layers=2", "--config.model.d_model=64", "--config.model.n_heads=2",
@@ -259,12 +260,11 @@ RULES = (
     Rule("pytest", r"^python -m pytest\b", "not_run", reason="the test suite itself: CI runs it"),
     Rule("reproduction script lines", ".", "in_script", source=r"^docs/reproduction/run\.sh$",
          reason="a line of docs/reproduction/run.sh, which runs as a whole below"),
-    Rule("reproduction, written out", r"runs/repro/(data|<name>|\{|full_attnres)", "in_script",
-         source=r"^docs/reproduction/README\.md$",
-         reason="what docs/reproduction/run.sh runs, written out in its README: checked against the script"),
     Rule("reproduction script", r"^bash docs/reproduction/run\.sh runs/repro \d+$", "run",
          shorten=(r" \d+$", " 2"), env=(("CORPORA", "{corpora}"),), timeout=900,
          reason="2 steps per run on Moby-Dick instead of 400 on the five corpora"),
+    Rule("reproduction, written out", ".", "in_script", source=r"^docs/reproduction/README\.md$",
+         reason="what docs/reproduction/run.sh runs, written out in its README: checked against the script"),
     Rule("the demo", r"^python -m deltares\.train --config experiments/tiny\.py:delta_block --workdir runs/demo$",
          "run", extra=SHORT_TRAIN, first=True, reason="3 steps; its run directory is read by the tools' commands"),
     Rule("paper-scale training", rf"^(for .*; do )?python -m deltares\.train --config experiments/({PAPER_SCALES})\.py",
@@ -338,11 +338,12 @@ def _excerpt(path: str, n_bytes: int) -> str:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A directory holding the paths the commands expect (experiments/, launch/, tests/ and
-    requirements.txt linked from the repository, a copy of the reproduction script) and the
+    """A directory holding the paths the commands expect (experiments/, launch/, requirements.txt
+    and the lm-eval task linked from the repository, a copy of the reproduction script) and the
     stand-ins of STAND_INS; returns (directory, {stand-in name: path})."""
     ws = tmp_path_factory.mktemp("documented")
-    for name in ("experiments", "launch", "tests", "requirements.txt"):
+    for name in ("experiments", "launch", "requirements.txt", "tests/lm_eval_tasks"):  # read only
+        os.makedirs(os.path.dirname(ws / name), exist_ok=True)
         os.symlink(os.path.join(ROOT, name), ws / name)
     os.makedirs(ws / "docs" / "reproduction")
     with open(os.path.join(ROOT, "docs", "reproduction", "run.sh")) as f:

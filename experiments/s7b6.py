@@ -6,6 +6,8 @@ chip) or several large GPUs; see README.
 
 Run: python -m deltares.train --config experiments/s7b6.py:delta_block --workdir runs/s7b6_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
+     Adding --dry_run checks that command on any machine in about 2 s: flags, config, the abstract
+     parameters and train step (nothing allocated, the dataset not read).
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 17.43,
 block AttnRes 18.58, Delta Block 16.00 (8.2% better than baseline).
 """

@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -324,6 +325,12 @@ def offline_runs(workdir):
     return sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*")))
 
 
+def offline_run_id(run_dir):
+    """The run id in `offline-run-<date>_<time>-<id>[-<n>]` (W&B adds -<n> when a directory of the
+    same second and id exists, as a resumed run started within the second does)."""
+    return re.fullmatch(r"offline-run-\d+_\d+-(\w+?)(?:-\d+)?", os.path.basename(run_dir)).group(1)
+
+
 class Settings(dict):
     __getattr__ = dict.get
 
@@ -341,7 +348,7 @@ def test_wandb_offline_logs_the_records_and_resumes_the_same_run(tmp_path, monke
     tracker.close()
     run_id = open(tmp_path / "wandb_run_id").read().strip()
     (first,) = offline_runs(workdir)
-    assert first.endswith(run_id)
+    assert offline_run_id(first) == run_id
     history, config = wandb_history(first)
     assert history == [(1, {"loss": 2.0, "mfu": None, "routing_entropy/000": 0.5, "routing_entropy/001": 0.25}),
                        (2, {"loss": 1.5, "mfu": 0.1, "routing_entropy/000": 0.4, "routing_entropy/001": 0.2})]
@@ -351,7 +358,7 @@ def test_wandb_offline_logs_the_records_and_resumes_the_same_run(tmp_path, monke
     tracker.log(3, {"step": 3, "loss": 1.0})
     tracker.close()
     second = [r for r in offline_runs(workdir) if r != first]
-    assert len(second) == 1 and second[0].endswith(run_id)  # the same W&B run
+    assert len(second) == 1 and offline_run_id(second[0]) == run_id  # the same W&B run
     history, config = wandb_history(second[0])
     assert history == [(3, {"loss": 1.0})] and config is None  # the config is logged once
 

@@ -1,6 +1,6 @@
 """Config of a deltares routed Qwen3 (model_type `deltares_qwen3`): Qwen3's fields plus the residual scheme.
 
-Written by `deltares.hf.to_hf` into every routed export, next to modeling_deltares_qwen3.py;
+Written by `deltares.interop.hf.to_hf` into every routed export, next to modeling_deltares_qwen3.py;
 self-contained (transformers only). The `residual_*` fields are deltares' `config.model.residual`.
 """
 

@@ -1,6 +1,6 @@
 """A deltares routed Qwen3 in PyTorch: Qwen3 with learned cross-layer depth routing.
 
-Written by `deltares.hf.to_hf` into every routed export (load it with
+Written by `deltares.interop.hf.to_hf` into every routed export (load it with
 `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`); self-contained
 (torch and transformers only). It computes what deltares computes (DESIGN.md section 3):
 

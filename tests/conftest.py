@@ -7,6 +7,8 @@ halves their compile time and does not change what they compute (no fast-math ei
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
@@ -14,3 +16,68 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+TINY_HF = os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny")  # a tiny Qwen3 written by transformers
+
+
+@pytest.fixture(scope="module")
+def converted_run_dir(tmp_path_factory):
+    """A deltares run directory holding the tiny Qwen3 converted to delta_block (exact)."""
+    from deltares.convert import hf_to_workdir
+
+    path = tmp_path_factory.mktemp("gen") / "run"
+    hf_to_workdir(TINY_HF, str(path), {"mode": "delta_block", "block_layers": 2})
+    return str(path)
+
+
+class CountingBucket:
+    """`gs://` served from a local directory through fsspec, counting the bytes written to it."""
+
+    def __init__(self, root):
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.root, self.written = root, 0
+        bucket = self
+
+        class Filesystem(LocalFileSystem):
+            protocol = ("gs", "gcs")
+
+            def __init__(self, *args, **kwargs):
+                super().__init__()
+
+            @classmethod
+            def _strip_protocol(cls, path):
+                path = os.fspath(path).removeprefix("gs://")
+                return (path if path.startswith(root) else os.path.join(root, path)).rstrip("/")
+
+            def _open(self, path, mode="rb", **kwargs):
+                f = super()._open(path, mode, **kwargs)
+                if "w" in mode or "a" in mode:
+                    write = f.write
+
+                    def counted(data):
+                        bucket.written += len(data)
+                        return write(data)
+
+                    f.write = counted
+                return f
+
+        self.filesystem = Filesystem
+
+
+@pytest.fixture
+def fake_bucket(tmp_path, monkeypatch):
+    """`gs://` served from tmp_path/bucket through fsspec (what gcsfs does for real buckets), with
+    the built-in corpus cached under tmp_path/cache; yields the CountingBucket."""
+    import importlib
+
+    from etils.epath import backend
+
+    fake = CountingBucket(str(tmp_path / "bucket"))
+    os.makedirs(fake.root)
+    for name in ("gs", "gcs"):
+        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, name, fake.filesystem)
+    backend.fsspec_backend._get_filesystem.cache_clear()
+    monkeypatch.setenv("DELTARES_CACHE", str(tmp_path / "cache"))
+    yield fake
+    backend.fsspec_backend._get_filesystem.cache_clear()

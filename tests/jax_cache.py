@@ -4,6 +4,8 @@
 importable, the same cache."""
 
 import os
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -22,3 +24,10 @@ ENV = dict(
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
 )
+
+
+def run_module(module, *args, timeout=600):
+    """`python -m module *args` from the repository root: CPU only, offline, the shared cache."""
+    env = {**ENV, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=timeout)

@@ -6,8 +6,6 @@ References: the model's own full forward pass (no cache), and NumPy for sampling
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +13,10 @@ import numpy as np
 import pytest
 
 from deltares.nn.config import MODES, model_config
-from deltares.convert import hf_to_workdir
 from deltares.generate import generate, read_prompts, sample_logits
 from deltares.interop.inference import load_model
 from deltares.nn.model import Transformer, init_cache
+from jax_cache import run_module  # also sets up the persistent compilation cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -195,22 +193,8 @@ def test_prompt_files(tmp_path):
             read_prompts(str(jsonl))
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A deltares run directory holding the tiny Qwen3 converted to delta_block (exact)."""
-    path = tmp_path_factory.mktemp("gen") / "run"
-    hf_to_workdir(TINY_HF, str(path), {"mode": "delta_block", "block_layers": 2})
-    return str(path)
-
-
-def run_module(module, *args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=600)
-
-
-def test_generate_cli(run_dir, tmp_path):
-    proc = run_module("deltares.generate", "--checkpoint", run_dir, "--prompt", "Call me Ishmael.",
+def test_generate_cli(converted_run_dir, tmp_path):
+    proc = run_module("deltares.generate", "--checkpoint", converted_run_dir, "--prompt", "Call me Ishmael.",
                       "--max_new_tokens", "8", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Call me Ishmael.") and len(proc.stdout.strip()) > len("Call me Ishmael.")
@@ -222,16 +206,16 @@ def test_generate_cli(run_dir, tmp_path):
     prompts = ["Call me", "The whale\nwas", "It"]
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text(f'{json.dumps(prompts[0])}\n{json.dumps({"prompt": prompts[1]})}\n\n{json.dumps(prompts[2])}\n')
-    proc = run_module("deltares.generate", "--checkpoint", run_dir, "--prompt_file", str(jsonl), "--max_new_tokens",
+    proc = run_module("deltares.generate", "--checkpoint", converted_run_dir, "--prompt_file", str(jsonl), "--max_new_tokens",
                       "7", "--min_new_tokens", "7", "--temperature", "0", "--stop", " the", "--stop", "\\n")
     assert proc.returncode == 0, proc.stderr
-    loaded = load_model(run_dir)
+    loaded = load_model(converted_run_dir)
     tok = loaded.tokenizer
     want = generate(loaded.model, loaded.params, [tok.encode(p) for p in prompts], max_new_tokens=7,
                     min_new_tokens=7, temperature=0.0, stop=[" the", "\n"], tokenizer=tok)
     assert proc.stdout == "".join(f"--- prompt {i}\n{p}{c.text}\n" for i, (p, c) in enumerate(zip(prompts, want)))
     assert f"[{sum(len(c.tokens) for c in want)} tokens in" in proc.stderr
-    proc = run_module("deltares.generate", "--checkpoint", run_dir, "--prompt", "Call me", "--prompt", "It",
+    proc = run_module("deltares.generate", "--checkpoint", converted_run_dir, "--prompt", "Call me", "--prompt", "It",
                       "--max_new_tokens", "3", "--num_samples", "2", "--seed", "1")
     assert proc.returncode == 0, proc.stderr
     heads = [line for line in proc.stdout.splitlines() if line.startswith("---")]
@@ -241,7 +225,7 @@ def test_generate_cli(run_dir, tmp_path):
         (["--prompt", "  "], "error: the prompt is empty"),
         (["--prompt_file", str(tmp_path / "absent.txt")], "error:"),
     ]:
-        proc = run_module("deltares.generate", "--checkpoint", run_dir, *args)
+        proc = run_module("deltares.generate", "--checkpoint", converted_run_dir, *args)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
     empty = tmp_path / "empty_run"
     empty.mkdir()
@@ -249,7 +233,7 @@ def test_generate_cli(run_dir, tmp_path):
     assert proc.returncode != 0 and "no checkpoint in" in proc.stderr and "Traceback" not in proc.stderr
 
     other = tmp_path / "other_config"  # parameters of one model, the saved config of another
-    shutil.copytree(run_dir, other)
+    shutil.copytree(converted_run_dir, other)
     meta = other / "checkpoints" / "0" / "config" / "metadata"
     config = json.loads(meta.read_text())
     config["model"]["d_ff"] = 128

@@ -7,8 +7,6 @@ with the same tokenizer.json, on the same requests and the local tasks in tests/
 
 import json
 import os
-import subprocess
-import sys
 
 for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_name, "1")
@@ -20,9 +18,8 @@ import pytest  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
-from jax_cache import ENV, ROOT  # noqa: E402  (also sets up the persistent compilation cache)
+from jax_cache import ROOT, run_module  # noqa: E402  (also sets up the persistent compilation cache)
 
-from deltares.convert import hf_to_workdir  # noqa: E402
 from deltares.harness import DeltaresLM, parse_batch_size  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -196,21 +193,8 @@ def test_harness_scores_like_the_model(lm):
 # ----------------------------------------------------------------------------- command line
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A deltares run directory holding the tiny Qwen3 converted to delta_block (exact)."""
-    path = tmp_path_factory.mktemp("gen") / "run"
-    hf_to_workdir(TINY_HF, str(path), {"mode": "delta_block", "block_layers": 2})
-    return str(path)
-
-
-def run_module(module, *args):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, env=ENV,
-                          timeout=600)
-
-
-def test_harness_cli_runs_a_local_task(run_dir, tmp_path):
-    proc = run_module("deltares.harness", "--model", "deltares", "--model_args", f"checkpoint={run_dir}",
+def test_harness_cli_runs_a_local_task(converted_run_dir, tmp_path):
+    proc = run_module("deltares.harness", "--model", "deltares", "--model_args", f"checkpoint={converted_run_dir}",
                       "--tasks", "deltares_tiny", "--include_path", "tests/lm_eval_tasks", "--batch_size", "auto",
                       "--max_batch_size", "4", "--output_path", str(tmp_path / "results"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -218,11 +202,11 @@ def test_harness_cli_runs_a_local_task(run_dir, tmp_path):
     assert "batch_size=auto: the largest batch that runs is 4" in proc.stdout
     assert any(f.endswith(".json") for _, _, files in os.walk(tmp_path / "results") for f in files)
 
-    proc = run_module("deltares.harness", "--model", "deltares", "--model_args", f"checkpoint={run_dir}",
+    proc = run_module("deltares.harness", "--model", "deltares", "--model_args", f"checkpoint={converted_run_dir}",
                       "--tasks", "no_such_task_xyz")
     assert proc.returncode != 0 and "no_such_task_xyz" in proc.stderr + proc.stdout
 
-    proc = run_module("deltares.harness", "--model", "deltares", "--model_args", f"checkpoint={run_dir}",
+    proc = run_module("deltares.harness", "--model", "deltares", "--model_args", f"checkpoint={converted_run_dir}",
                       "--tasks", "deltares_tiny", "--include_path", "tests/lm_eval_tasks", "--batch_size", "auto:4")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "error: batch_size='auto:4': must be a positive integer or 'auto'" in proc.stderr

@@ -24,6 +24,7 @@ from deltares.training.metrics import PEAK_FLOPS_PER_CHIP, MetricsWriter, mfu, p
 from deltares.train import TrainError, check_train_config, train
 from deltares.training.wandb_tracker import TrackerError, WandbTracker, flatten, open_tracker
 
+from event_files import event_scalars
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
@@ -49,23 +50,6 @@ def debug_config(**train_fields):
     cfg.train.update(train_fields)
     return cfg
 
-
-def event_scalars(paths):
-    """{(tag, step): value} of TFRecord event files (parsed here, without TensorBoard)."""
-    from tensorboardX.proto import event_pb2
-
-    out = {}
-    for path in paths:
-        data = open(path, "rb").read()
-        i = 0
-        while i < len(data):
-            (length,) = struct.unpack("<Q", data[i : i + 8])
-            event = event_pb2.Event()
-            event.ParseFromString(data[i + 12 : i + 12 + length])
-            i += 12 + length + 4
-            for v in event.summary.value:
-                out[(v.tag, event.step)] = v.simple_value
-    return out
 
 
 # ----------------------------------------------------------------------------- peak FLOPs and MFU
@@ -156,88 +140,39 @@ def test_local_resume_drops_later_records_and_appends(tmp_path):
     assert [(r["step"], r["loss"]) for r in strict_lines(tmp_path / "metrics.jsonl")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
 
 
-class CountingBucket:
-    """`gs://` served from a local directory through fsspec, counting the bytes written to it."""
-
-    def __init__(self, root):
-        from fsspec.implementations.local import LocalFileSystem
-
-        self.root, self.written = root, 0
-        bucket = self
-
-        class Filesystem(LocalFileSystem):
-            protocol = ("gs", "gcs")
-
-            def __init__(self, *args, **kwargs):
-                super().__init__()
-
-            @classmethod
-            def _strip_protocol(cls, path):
-                path = os.fspath(path).removeprefix("gs://")
-                return (path if path.startswith(root) else os.path.join(root, path)).rstrip("/")
-
-            def _open(self, path, mode="rb", **kwargs):
-                f = super()._open(path, mode, **kwargs)
-                if "w" in mode or "a" in mode:
-                    write = f.write
-
-                    def counted(data):
-                        bucket.written += len(data)
-                        return write(data)
-
-                    f.write = counted
-                return f
-
-        self.filesystem = Filesystem
-
-
-@pytest.fixture
-def bucket(tmp_path, monkeypatch):
-    from etils.epath import backend
-
-    fake = CountingBucket(str(tmp_path / "bucket"))
-    os.makedirs(fake.root)
-    for name in ("gs", "gcs"):
-        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, name, fake.filesystem)
-    backend.fsspec_backend._get_filesystem.cache_clear()
-    monkeypatch.setenv("DELTARES_CACHE", str(tmp_path / "cache"))
-    yield fake
-    backend.fsspec_backend._get_filesystem.cache_clear()
-
-
 RECORD = {"loss": 1.25, "lr": 3e-4, "mfu": None, "routing_entropy": [0.5] * 6}
 
 
-def bytes_for(bucket, url, logs):
+def bytes_for(fake_bucket, url, logs):
     """Bytes written to the bucket by `logs` writes of RECORD (the writer opened before counting)."""
     writer = MetricsWriter(url)
-    before = bucket.written
+    before = fake_bucket.written
     for step in range(1, logs + 1):
         writer.write(step, RECORD)
-    during = bucket.written - before
+    during = fake_bucket.written - before
     writer.close()
-    return during, bucket.written - before
+    return during, fake_bucket.written - before
 
 
-def test_bucket_writes_cost_what_they_append(bucket):
+def test_bucket_writes_cost_what_they_append(fake_bucket):
     """N logs write O(N) bytes to a bucket (metrics parts, one event file per flush, one join at
     close), where rewriting whole objects at each log wrote O(N^2)."""
-    short, short_total = bytes_for(bucket, "gs://runs/short", 25)
-    long, long_total = bytes_for(bucket, "gs://runs/long", 100)
+    short, short_total = bytes_for(fake_bucket, "gs://runs/short", 25)
+    long, long_total = bytes_for(fake_bucket, "gs://runs/long", 100)
     assert 3.5 < long / short < 4.5 and 3.5 < long_total / short_total < 4.5  # quadratic would be ~16
     line = len(json.dumps({"step": 100, **RECORD}))
     assert long < 100 * (line + 2000)  # each log: its line and its own events, never what came before
-    run = os.path.join(bucket.root, "runs", "long")
+    run = os.path.join(fake_bucket.root, "runs", "long")
     assert [r["step"] for r in strict_lines(os.path.join(run, "metrics.jsonl"))] == list(range(1, 101))
     assert not glob.glob(os.path.join(run, "metrics.jsonl.d", "*"))  # joined at close
     events = glob.glob(os.path.join(run, "tensorboard", "events.out.tfevents*"))
     assert len(events) == 1 and {s for t, s in event_scalars(events) if t == "loss"} == set(range(1, 101))
 
 
-def test_bucket_resume_truncates_through_parts(bucket):
+def test_bucket_resume_truncates_through_parts(fake_bucket):
     """A run killed before closing leaves parts that read_metrics joins; resuming from an earlier
     checkpoint drops the later records without rewriting them; a crash while joining loses nothing."""
-    url, run = "gs://runs/killed", os.path.join(bucket.root, "runs", "killed")
+    url, run = "gs://runs/killed", os.path.join(fake_bucket.root, "runs", "killed")
     writer = MetricsWriter(url)
     for step in range(1, 11):
         writer.write(step, {"loss": float(step)})
@@ -247,9 +182,9 @@ def test_bucket_resume_truncates_through_parts(bucket):
     scalars = event_scalars(glob.glob(os.path.join(run, "tensorboard", "events.out.tfevents*")))
     assert {s for t, s in scalars if t == "loss"} == set(range(1, 11))
 
-    before = bucket.written
+    before = fake_bucket.written
     writer = MetricsWriter(url, resume_step=6)
-    assert bucket.written - before < 100  # one truncation line, nothing rewritten
+    assert fake_bucket.written - before < 100  # one truncation line, nothing rewritten
     assert [r["step"] for r in read_metrics(url)] == list(range(1, 7))
     for step in range(7, 13):
         writer.write(step, {"loss": 100.0 + step})
@@ -420,7 +355,7 @@ def test_trainer_profiles_and_logs_strict_json_and_wandb(tmp_path, monkeypatch):
         assert config["train"]["profile_steps"] == [3, 5] and config["model"]["d_model"] == cfg.model.d_model
 
 
-def test_profile_of_a_bucket_run_is_copied_to_the_bucket(bucket):
+def test_profile_of_a_bucket_run_is_copied_to_the_bucket(fake_bucket):
     """The trace is written locally (jax's profiler cannot write to gs://) and copied to the bucket."""
     step_fn = jax.jit(lambda x: x * 2.0)
     x = step_fn(jax.numpy.ones(4))
@@ -431,5 +366,5 @@ def test_profile_of_a_bucket_run_is_copied_to_the_bucket(bucket):
         x = step_fn(x)
         profiler.after(step, x)
         assert not profiler.active
-    copied = glob.glob(os.path.join(bucket.root, "runs", "profiled", "profile", "plugins", "profile", "*", "*"))
+    copied = glob.glob(os.path.join(fake_bucket.root, "runs", "profiled", "profile", "plugins", "profile", "*", "*"))
     assert {os.path.basename(p) for p in copied} >= {"perfetto_trace.json.gz"} and any(p.endswith(".xplane.pb") for p in copied)

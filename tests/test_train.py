@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from deltares.training.checkpoint import load_checkpoint
 from deltares.data.prepare import DataError, prepare
 from deltares.train import TrainError, train
 
+from event_files import event_scalars
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
 STEPS, SEQ, BATCH = 30, 32, 4
 REQUIRED_KEYS = {"step", "loss", "loss_mean", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "tokens_seen"}
@@ -118,22 +118,9 @@ def assert_nothing_to_resume(workdir):
 
 def tensorboard_scalars(workdir):
     """{(tag, step): value} from the TFRecord event files (parsed here, without tensorboard)."""
-    from tensorboardX.proto import event_pb2
-
     files = glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents*"))
     assert files, "no TensorBoard event file"
-    out = {}
-    for path in files:
-        data = open(path, "rb").read()
-        i = 0
-        while i < len(data):
-            (length,) = struct.unpack("<Q", data[i : i + 8])
-            event = event_pb2.Event()
-            event.ParseFromString(data[i + 12 : i + 12 + length])
-            i += 12 + length + 4
-            for v in event.summary.value:
-                out[(v.tag, event.step)] = v.simple_value
-    return out
+    return event_scalars(files)
 
 
 WORDS = (
@@ -559,44 +546,6 @@ def test_failed_save_keeps_previous_checkpoint_usable(builtin_dataset, tmp_path,
 # ----------------------------------------------------------------------------- runs on a bucket
 
 
-class FakeBucket:
-    """An fsspec filesystem for `gs://` that keeps bucket objects under a local root."""
-
-    root = ""
-
-    @staticmethod
-    def filesystem(root):
-        from fsspec.implementations.local import LocalFileSystem
-
-        class Filesystem(LocalFileSystem):
-            protocol = ("gs", "gcs")
-
-            def __init__(self, *args, **kwargs):
-                super().__init__()
-
-            @classmethod
-            def _strip_protocol(cls, path):
-                path = os.fspath(path).removeprefix("gs://")
-                return (path if path.startswith(root) else os.path.join(root, path)).rstrip("/")
-
-        return Filesystem
-
-
-@pytest.fixture
-def fake_bucket(tmp_path, monkeypatch):
-    """`gs://` served from tmp_path/bucket through fsspec (what gcsfs does for real buckets)."""
-    from etils.epath import backend
-
-    root = str(tmp_path / "bucket")
-    os.makedirs(root)
-    for name in ("gs", "gcs"):
-        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, name, FakeBucket.filesystem(root))
-    backend.fsspec_backend._get_filesystem.cache_clear()
-    monkeypatch.setenv("DELTARES_CACHE", str(tmp_path / "cache"))
-    yield root
-    backend.fsspec_backend._get_filesystem.cache_clear()
-
-
 def test_run_on_a_bucket_resumes_and_matches_local_run(reference, fake_bucket, tmp_path, monkeypatch, capsys):
     """A run whose workdir is `gs://...` writes its metrics and TensorBoard events to the bucket,
     prepares the built-in corpus into the local cache, hands the bucket URL to orbax, resumes from
@@ -610,7 +559,7 @@ def test_run_on_a_bucket_resumes_and_matches_local_run(reference, fake_bucket, t
         # orbax writes buckets with tensorstore's own GCS driver, which no fake reaches: the
         # checkpoints of this test go to the bucket's local directory instead.
         handed.append(workdir)
-        return Checkpointer(workdir.replace("gs://", fake_bucket + "/"), *args)
+        return Checkpointer(workdir.replace("gs://", fake_bucket.root + "/"), *args)
 
     monkeypatch.setattr(train_module, "Checkpointer", checkpointer)
     evaluate = train_module.evaluate
@@ -625,7 +574,7 @@ def test_run_on_a_bucket_resumes_and_matches_local_run(reference, fake_bucket, t
         patch.setattr(train_module, "evaluate", evaluate_then_sigterm)
         first = train(cfg, url)
     assert first["stopped"] == "SIGTERM"
-    run_dir = os.path.join(fake_bucket, "runs", "delta_block")
+    run_dir = os.path.join(fake_bucket.root, "runs", "delta_block")
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:  # a record after the checkpoint, and one cut short
         f.write('{"step": 25, "loss": 0.0}\n{"step": 2')
     result = train(cfg, url)

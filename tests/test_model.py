@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from deltares.nn.config import model_config
-from deltares.nn.losses import lm_loss
+from deltares.nn.losses import lm_loss, masked_mean
 from deltares.nn.model import Transformer
+from deltares.training.steps import batch_nll
 
 MODES = ["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]
 ROUTED_MODES = MODES[1:]
@@ -508,6 +509,51 @@ def test_remat_does_not_change_values():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- chunked loss
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_loss_and_gradients_equal_plain_loss(mode, tie):
+    """The training loss path (`targets_BT`, `config.loss_chunk` tokens at a time: 4 divides
+    T = 12, 5 does not) equals the mean NLL of the full logits: the loss within 1e-5 relative,
+    every gradient leaf within 1e-5 of its norm (float32 sums in another order: single entries
+    near zero differ by ~1e-6 of their own size)."""
+    toks = tokens(21, (B, 13))
+    init_model = Transformer(debug_cfg(mode, tie_embeddings=tie))
+    params = flax.linen.meta.unbox(init_model.init(jax.random.PRNGKey(0), toks[:, :-1]))["params"]
+    params = randomize_routers(params, seed=22)
+    assert ("lm_head" in params) == (not tie)
+    plain = lambda p: lm_loss(init_model.apply({"params": p}, toks[:, :-1]), toks[:, 1:])  # noqa: E731
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(plain))(params)
+    for chunk in (0, 4, 5):
+        model = Transformer(debug_cfg(mode, tie_embeddings=tie, loss_chunk=chunk))
+        loss, grads = jax.jit(jax.value_and_grad(lambda p: masked_mean(batch_nll(model, p, toks))))(params)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        for (path, g), g_ref in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
+            g, g_ref = np.asarray(g, np.float64), np.asarray(g_ref, np.float64)
+            assert np.linalg.norm(g - g_ref) <= 1e-5 * np.linalg.norm(g_ref), (
+                chunk, jax.tree_util.keystr(path))
+
+
+def test_chunked_train_step_never_holds_the_full_logits():
+    """The compiled train step's temporaries with `loss_chunk` fall by about the [B, T, V]
+    float32 logits (and their cotangent) against the plain loss: the model really chunks."""
+    Bm, Tm, V = 2, 256, 4096
+    cfg = dict(DEBUG, vocab_size=V, n_layers=1, residual=dict(mode="baseline", block_layers=1))
+    toks = jax.ShapeDtypeStruct((Bm, Tm + 1), jnp.int32)
+    params = jax.eval_shape(Transformer(model_config(**cfg)).init, jax.random.PRNGKey(0), toks)["params"]
+    params = flax.linen.meta.unbox(params)
+
+    def temp_bytes(chunk):
+        model = Transformer(model_config(**cfg, loss_chunk=chunk))
+        grad = jax.grad(lambda p, t: masked_mean(batch_nll(model, p, t)))
+        return jax.jit(grad).lower(params, toks).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = Bm * Tm * V * 4
+    assert temp_bytes(0) - temp_bytes(32) > logits_bytes / 2
+
+
 # ----------------------------------------------------------------------------- bad configs
 
 
@@ -535,6 +581,8 @@ BAD_CONFIGS = [
     (dict(remat="everything"), "remat"),
     (dict(norm_eps=0.0), "norm_eps"),
     (dict(rope_theta=-1.0), "rope_theta"),
+    (dict(loss_chunk=-1), "loss_chunk"),
+    (dict(loss_chunk=512.0), "loss_chunk"),
 ]
 
 

@@ -61,6 +61,9 @@ MODEL_FIELDS = (
     Field("scan_layers", True, bool, None, "layers under nn.scan (one compiled layer) instead of unrolled"),
     Field("remat", "none", str, tuple(REMAT_POLICIES), "per-layer rematerialisation: none, full (save nothing), "
           "dots (save matmuls without batch dimensions)"),
+    Field("loss_chunk", 512, int, NON_NEGATIVE, "tokens per chunk of the training and evaluation loss: each "
+          "chunk's logits are computed (and recomputed for the gradient) on their own, never all [B, T, V]; "
+          "0 or at least seq_len: the plain loss"),
     Field("residual.mode", "delta_block", str, MODES, "residual scheme (DESIGN.md section 3)"),
     Field("residual.block_layers", 4, int, POSITIVE, "layers per block of the block modes; at most n_layers"),
     Field("residual.include_partial", True, bool, None, "route over the current block's partial sum too"),

@@ -65,10 +65,13 @@ class Projection(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
-    @nn.compact
+    def setup(self):
+        # setup, not compact: a parent can read `kernel` without applying the projection
+        # (the chunked loss multiplies by the LM head's kernel itself)
+        self.kernel = self.param("kernel", _param_init(dense_init, self.names), self.shape, self.param_dtype)
+
     def __call__(self, x):
-        kernel = self.param("kernel", _param_init(dense_init, self.names), self.shape, self.param_dtype)
-        return jnp.einsum(self.spec, x.astype(self.dtype), kernel.astype(self.dtype))
+        return jnp.einsum(self.spec, x.astype(self.dtype), self.kernel.astype(self.dtype))
 
 
 class Attention(nn.Module):

@@ -2,7 +2,7 @@
 
     e = Embed(tokens);  layers 0..L-1 (DecoderLayer, scanned or unrolled);
     out = route([all sources]) for the Kimi modes, else h_2L;
-    logits = Head(RMSNorm(out))
+    logits = Head(RMSNorm(out));  or, given targets, per-token NLL chunked over the sequence
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from deltares.nn.config import REMAT_POLICIES, dtype_of, validate_model_config
 from deltares.nn.decoder import DecoderLayer
 from deltares.nn.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
 from deltares.nn.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
+from deltares.nn.losses import head_token_nll
 from deltares.nn.residual import plan_for
 
 
@@ -76,8 +77,12 @@ class Transformer(nn.Module):
         return state, stats, cache
 
     @nn.compact
-    def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None):
+    def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None, targets_BT=None):
         """Logits [B, T, V] (float32), and routing stats with `return_stats`.
+
+        `targets_BT` (the loss path): per-token NLL [B, T] (float32) of those targets in place
+        of the logits, computed `config.loss_chunk` tokens at a time (`head_token_nll`), so
+        the [B, T, V] float32 logits never exist at once.
 
         Decoding: with `cache` (from `init_cache`) the tokens sit at positions pos..pos+T-1
         after the cached ones, and the call returns (logits, new cache). Routing is per
@@ -87,6 +92,8 @@ class Transformer(nn.Module):
         cfg = self.config
         if cache is not None and return_stats:
             raise ValueError("return_stats is not available while decoding with a cache")
+        if targets_BT is not None and (cache is not None or logits_at is not None):
+            raise ValueError("targets_BT (the loss) is not available with a cache or logits_at")
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
         plan = plan_for(cfg)
         embed = nn.Embed(
@@ -124,20 +131,25 @@ class Transformer(nn.Module):
             out_BTD = jnp.take_along_axis(out_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
         x_BTD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(out_BTD)
         if cfg.tie_embeddings:
-            logits_BTV = embed.attend(x_BTD)
+            head = embed.attend
         else:
-            logits_BTV = Projection(
+            head = Projection(
                 "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype, param_dtype, name="lm_head"
-            )(x_BTD)
-        logits_BTV = logits_BTV.astype(jnp.float32)
+            )
+        if targets_BT is None:
+            result = head(x_BTD).astype(jnp.float32)  # logits [B, T, V]
+        else:  # the head's kernel [D, V] (tied: the embedding table transposed), chunked NLL [B, T]
+            kernel_DV = embed.embedding.T if cfg.tie_embeddings else head.kernel
+            kernel_DV = nn.with_logical_constraint(kernel_DV, ("embed", "vocab"))
+            result = head_token_nll(x_BTD, kernel_DV, targets_BT, cfg.loss_chunk, dtype)
         if cache is not None:
-            return logits_BTV, cache
+            return result, cache
         if not return_stats:
-            return logits_BTV
+            return result
         n_sub = 2 * cfg.n_layers
         stats = {k: v.reshape((n_sub,) + v.shape[2:]) for k, v in stats.items()}
         stats["n_sources"] = jnp.asarray(plan.n_sources)
-        return logits_BTV, stats
+        return result, stats
 
 
 def init_cache(model_cfg, batch: int, max_len: int):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from deltares.nn.losses import lm_loss, token_nll
+from deltares.nn.losses import masked_mean
 from deltares.nn.model import Transformer
 from deltares.training.optim import make_optimizer
 
@@ -34,13 +34,18 @@ def make_init(model: Transformer, tx: optax.GradientTransformation, seq_len: int
     return init
 
 
+def batch_nll(model: Transformer, params, tokens_BT):
+    """Per-token NLL [B, T] of a batch's targets, through the model's loss path (the logits
+    chunked over the sequence by `config.model.loss_chunk`, never all [B, T, V] at once)."""
+    return model.apply({"params": params}, tokens_BT[:, :-1], targets_BT=tokens_BT[:, 1:])
+
+
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_batches: int = 1):
     """(state, batch) -> (state, {loss, grad_norm}); with `micro_batches` > 1 the batch is
     split and gradients are averaged over micro-batches (gradient accumulation)."""
 
     def loss_fn(params, tokens_BT):
-        logits = model.apply({"params": params}, tokens_BT[:, :-1])
-        return lm_loss(logits, tokens_BT[:, 1:])
+        return masked_mean(batch_nll(model, params, tokens_BT))
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -71,7 +76,7 @@ def make_eval_step(model: Transformer):
     """(params, batch) -> (sum of token NLL, number of tokens)."""
 
     def eval_step(params, tokens_BT):
-        nll_BT = token_nll(model.apply({"params": params}, tokens_BT[:, :-1]), tokens_BT[:, 1:])
+        nll_BT = batch_nll(model, params, tokens_BT)
         return nll_BT.sum(), nll_BT.size
 
     return eval_step

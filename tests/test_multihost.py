@@ -248,11 +248,16 @@ def test_restart_restores_the_checkpoint_on_both_processes_and_finishes(scenario
     assert f"resumed {scenario['second'].workdir} from step {step}" in scenario["second"].text(0, "stderr")
 
 
+GLOO_WORDS = re.compile(r"\[Gloo\]|Rank|is|connected|to|peer|ranks\.|ranks|Expected|number|of|:|\d+")
+
+
 def test_progress_and_summaries_on_process_0_only(scenario):
     bar = re.compile(r"train:\s+\d+%\|")
     for run, summary in ((scenario["first"], "SIGTERM: saved step"), (scenario["second"], f"step {STEPS}: validation loss")):
         assert bar.search(run.text(0, "stderr")) and summary in run.text(0, "stdout")
         assert not bar.search(run.text(1, "stderr")), run.text(1, "stderr")[-2000:]
-        ours = [line for line in run.text(1, "stdout").splitlines() if not line.startswith("[Gloo] ")]
-        assert ours == [], ours  # gloo's own connection lines are on every process
+        # gloo's own connection lines are on every process, written piece by piece by several threads at once, so
+        # they can be cut and interleaved anywhere between pieces: whatever is left without gloo's words is ours
+        ours = GLOO_WORDS.sub("", run.text(1, "stdout")).split()
+        assert ours == [], run.text(1, "stdout")[-2000:]
         assert "resumed" not in run.text(1, "stderr")

@@ -59,6 +59,8 @@ MODEL_FIELDS = (
     Field("dtype", "bfloat16", str, tuple(DTYPES), "activation and matmul dtype"),
     Field("param_dtype", "float32", str, tuple(DTYPES), "parameter dtype"),
     Field("scan_layers", True, bool, None, "layers under nn.scan (one compiled layer) instead of unrolled"),
+    Field("scan_unroll", False, bool, None, "unroll every layer scan in the compiled program (same math; the "
+          "TPU compiler's step-time estimate counts a loop body once, so `deltares.aot` estimates with it)"),
     Field("remat", "none", str, tuple(REMAT_POLICIES), "per-layer rematerialisation: none, full (save nothing), "
           "dots (save matmuls without batch dimensions)"),
     Field("loss_chunk", 512, int, NON_NEGATIVE, "tokens per chunk of the training and evaluation loss: each "

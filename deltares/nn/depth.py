@@ -119,14 +119,15 @@ def _saved(state: DepthState, layer, plan: ResidualPlan):
     return state.h_BTD, (state.sources_SBTD[first], state.inv_rms_SBT[first])
 
 
-def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan):
+def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan, unroll: bool = False):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
     `params_L`; returns (final state, stacked stats). Differentiable in params and state.
 
     Block modes differentiate layer by layer (`layer_fn` on the rebuilt input state); the
     per-sublayer modes sublayer by sublayer over the final buffer with
     `layer_fn(params_l, state, l, only=k) -> (v, 1/rms(v))` (sublayer k of layer l alone,
-    writing nothing; `_sublayer_backward`), so their backward pass never writes the buffer."""
+    writing nothing; `_sublayer_backward`), so their backward pass never writes the buffer.
+    `unroll` unrolls both scans (the same program without loops)."""
     n_layers = plan.n_layers
     by_sublayer = plan.mode not in BLOCK_MODES
 
@@ -137,14 +138,14 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
             state, stats = layer_fn(params_l, state, layer)
             return state, (stats, saved)
 
-        final, (stats, saved) = jax.lax.scan(body, state, (params_L, jnp.arange(n_layers)))
+        final, (stats, saved) = jax.lax.scan(body, state, (params_L, jnp.arange(n_layers)), unroll=unroll)
         return (final, stats), (params_L, saved, final)
 
     def backward(residuals, cotangents):
         params_L, saved, final = residuals
         d_final, d_stats = cotangents
         if by_sublayer:
-            return _sublayer_backward(layer_fn, params_L, saved[0], final, d_final, plan)
+            return _sublayer_backward(layer_fn, params_L, saved[0], final, d_final, plan, unroll)
 
         def body(d_state, xs):
             params_l, layer, saved_l, d_stats_l = xs
@@ -154,7 +155,7 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
             return d_state_l, d_params_l
 
         xs = (params_L, jnp.arange(n_layers), saved, d_stats)
-        d_state, d_params = jax.lax.scan(body, d_final, xs, reverse=True)
+        d_state, d_params = jax.lax.scan(body, d_final, xs, reverse=True, unroll=unroll)
         return d_params, d_state
 
     @jax.custom_vjp
@@ -165,7 +166,8 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     return run(params_L, state)
 
 
-def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: DepthState, plan: ResidualPlan):
+def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: DepthState, plan: ResidualPlan,
+                       unroll: bool = False):
     """The backward pass of the per-sublayer modes, sublayer by sublayer in reverse.
 
     Sublayer j reads the final buffer (slots from its own write slot on are masked out of
@@ -197,7 +199,7 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
 
     carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT)
     xs = (params_L, jnp.arange(plan.n_layers), h_L)
-    (d_h, d_sources, d_inv), d_params = jax.lax.scan(body, carry, xs, reverse=True)
+    (d_h, d_sources, d_inv), d_params = jax.lax.scan(body, carry, xs, reverse=True, unroll=unroll)
     # Every slot but 0 (the embedding) is overwritten by its sublayer: the initial buffer's
     # values there do not reach the output.
     first = (jnp.arange(plan.n_slots) == 0)

@@ -61,6 +61,7 @@ class Transformer(nn.Module):
                 in_axes=(0, nn.broadcast, nn.broadcast, 0, nn.broadcast),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
+                unroll=cfg.n_layers if cfg.scan_unroll else 1,
             )
             layers = jnp.arange(cfg.n_layers)
             state, out = scanned(cfg, return_stats, name="layers")(state, layers, cos_TE, sin_TE, cache, pos)
@@ -116,7 +117,7 @@ class Transformer(nn.Module):
                 return layer.apply({"params": params_l}, state, index, cos_TE, sin_TE, only=only)
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
-            state, stats = depth_scan(layer_fn, params_L, state, plan)
+            state, stats = depth_scan(layer_fn, params_L, state, plan, unroll=cfg.scan_unroll)
         else:
             state, stats, _ = self._layers(self._layer_class(), state, cos_TE, sin_TE, return_stats)
 

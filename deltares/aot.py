@@ -1,9 +1,11 @@
-"""Ahead-of-time memory proof: compile the real train step for a TPU slice on a CPU-only machine.
+"""Ahead-of-time memory proof: compile the real train step for a TPU slice or one NVIDIA GPU on a
+CPU-only machine.
 
     python -m deltares.aot --config experiments/s7b6.py:delta_block --topology v5p:2x2x2
     python -m deltares.aot --config experiments/s7b6.py:baseline --topology v6e:4x4 \
         --config.model.remat=full --json
     python -m deltares.aot --config experiments/debug.py --topology v5e:2x2 --mesh 1,2,2
+    python -m deltares.aot --config experiments/s533m.py:delta_block --gpu h100
 
 The train step is the one `deltares.train` runs (`deltares.training.state.sharded_train_step`:
 forward, backward, gradient clipping and the AdamW update, the state donated), lowered for
@@ -14,6 +16,13 @@ topology (`jax.experimental.topologies`). Nothing runs on a TPU; no TPU is neede
 Topology strings are libtpu's `generation:chips`, e.g. `v4:2x2x2`, `v5p:2x2x2`, `v5e:4x4`,
 `v6e:8x8`, `tpu7x:2x2x1`. v4 and v5p are compiled in megacore mode (one device per chip,
 as JAX uses them), the others with one device per TensorCore as libtpu lays them out.
+
+`--gpu h100|h200` (instead of `--topology`) compiles for one such GPU with XLA's CUDA compiler,
+the PJRT plugin of JAX's CUDA build (`jax-cuda12-pjrt`; not in requirements.txt: see
+deltares/training/gpu_aot.py), for the GPU described in deltares/gpu_targets/. Pallas kernels
+are Triton kernels there. The GPU compiler states no memory limit, so `hbm` is the device
+memory of the target config; JAX on a GPU preallocates 75% of it unless
+XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
 
 Reported, per device: arguments (the sharded train state and batch), outputs (the new
 state and the metrics), the bytes outputs share with donated arguments (aliased, counted
@@ -184,6 +193,14 @@ def hbm_of(device) -> tuple[int | None, str]:
     return (nominal * GIB, "nominal") if nominal else (None, "unknown")
 
 
+def pallas_kernel_calls(hlo_text: str) -> int:
+    """Pallas kernels in a compiled program's HLO: Mosaic custom calls (TPU), Triton kernels (GPU)."""
+    return hlo_text.count('custom_call_target="tpu_custom_call"') + len(_TRITON_KERNEL.findall(hlo_text))
+
+
+_TRITON_KERNEL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
+
+
 # --------------------------------------------------------------------------- FLOPs
 
 
@@ -273,17 +290,28 @@ def _trace(step, *args):
         return step.fn.trace(*args)
 
 
-def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: str = "") -> dict:
-    """Compiles the train step of `cfg` for `topology` and returns the report (see module doc)."""
+def _gpu_devices(gpu: str) -> list:
+    from deltares.training import gpu_aot
+
+    try:
+        return gpu_aot.gpu_devices(gpu)
+    except (ValueError, gpu_aot.CudaCompilerMissing) as err:
+        raise AotError(str(err)) from None
+
+
+def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_name: str = "",
+            gpu: str | None = None) -> dict:
+    """Compiles the train step of `cfg` for `topology` (a TPU slice) or `gpu` (one GPU: "h100",
+    "h200") and returns the report (see module doc)."""
     from deltares.training.metrics import model_flops_per_token
     from deltares.training.sharding import make_mesh
 
-    devices = topology_devices(topology)
+    devices = _gpu_devices(gpu) if gpu else topology_devices(topology)
     mesh_cfg = _mesh_config(cfg, mesh_override)
     try:
         mesh = make_mesh(mesh_cfg, devices)
     except ValueError as err:
-        raise AotError(f"mesh for {len(devices)} devices of {topology}: {err}") from None
+        raise AotError(f"mesh for {len(devices)} devices of {topology or gpu}: {err}") from None
     t = cfg.train
     global_batch, seq_len = t.global_batch, cfg.data.seq_len
     batch_ways = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
@@ -298,7 +326,12 @@ def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: s
             f"data x fsdp = {batch_ways} devices"
         )
     device = devices[0]
-    hbm, hbm_source = hbm_of(device)
+    if gpu:  # the GPU compiler compiles any size; the target config states the device's memory
+        from deltares.training.gpu_aot import device_memory_bytes
+
+        hbm, hbm_source = device_memory_bytes(gpu), "target_config"
+    else:
+        hbm, hbm_source = hbm_of(device)
     try:
         step, abstract_state, batch_sharding = _training(cfg, mesh)
     except ValueError as err:
@@ -310,6 +343,7 @@ def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: s
         scale=cfg.scale,
         mode=cfg.model.residual.mode,
         topology=topology,
+        gpu=gpu,
         device_kind=device.device_kind,
         devices=len(devices),
         mesh={k: int(v) for k, v in mesh.shape.items()},
@@ -364,8 +398,9 @@ def analyze(cfg, topology: str, mesh_override: str | None = None, config_name: s
         xla_flops_per_device=xla_flops,
         xla_flops_per_step=xla_flops * len(devices),
         routing_impl=cfg.model.residual.impl,
-        # Mosaic kernels in the compiled program: the fused depth routing when impl is a kernel.
-        pallas_kernel_calls=compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+        # Mosaic (TPU) or Triton (GPU) kernels in the compiled program: the fused depth routing when
+        # impl is a kernel.
+        pallas_kernel_calls=pallas_kernel_calls(compiled.as_text()),
     )
     return report
 
@@ -394,12 +429,14 @@ def format_report(r: dict) -> str:
     lines = [
         f"{r['config'] or r['scale']}: {_count(r['params'])} parameters, mode {r['mode']}, remat {r['remat']}, "
         f"compute {r['dtype']}",
-        f"topology {r['topology']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
+        f"{'gpu ' + r['gpu'] if r.get('gpu') else 'topology ' + r['topology']}: {r['devices']} x {r['device_kind']}, "
+        f"mesh {mesh}",
         f"step: global batch {r['global_batch']} x {r['seq_len']} tokens, {r['micro_batches']} micro-batch(es); "
         f"traced and compiled in {r['compile_seconds']:.0f} s",
         "",
     ]
-    source = {"compiler": "as the compiler states it", "nominal": "nominal, the compiler's figure was not had"}
+    source = {"compiler": "as the compiler states it", "nominal": "nominal, the compiler's figure was not had",
+              "target_config": "the device memory of deltares/gpu_targets/"}
     hbm = f"{_gib(r['hbm_bytes'])} HBM ({source.get(r['hbm_source'], r['hbm_source'])})"
     if "temp_bytes" in r:
         share = f", {100 * r['per_device_bytes'] / r['hbm_bytes']:.0f}%" if r["hbm_bytes"] else ""
@@ -431,14 +468,17 @@ def main(argv):
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(2)
-    if _CONFIG.value is None or not _TOPOLOGY.value:
-        example = "--config experiments/s7b6.py:delta_block --topology v5p:2x2x2"
-        print(f"error: --config and --topology are required, e.g. {example}", file=sys.stderr)
+    if _TOPOLOGY.value and _GPU.value:
+        print("error: --topology (a TPU slice) and --gpu (one GPU) exclude each other; pass one", file=sys.stderr)
+        sys.exit(2)
+    if _CONFIG.value is None or not (_TOPOLOGY.value or _GPU.value):
+        example = "--config experiments/s7b6.py:delta_block --topology v5p:2x2x2 (or --gpu h100)"
+        print(f"error: --config and --topology or --gpu are required, e.g. {example}", file=sys.stderr)
         sys.exit(2)
     logging.set_verbosity(logging.WARNING)
     name = getattr(flags.FLAGS["config"], "config_filename", "")  # 'experiments/s7b6.py:delta_block'
     try:
-        report = analyze(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name)
+        report = analyze(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name, gpu=_GPU.value)
     except AotError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -448,11 +488,12 @@ def main(argv):
 
 def cli() -> None:
     """The command line (`python -m deltares.aot`, `deltares-aot`); flags only here, so modules import side by side."""
-    global _CONFIG, _TOPOLOGY, _MESH, _JSON
+    global _CONFIG, _TOPOLOGY, _GPU, _MESH, _JSON
     _CONFIG = config_flags.DEFINE_config_file(
         "config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block (or a shipped one by name: s7b6:delta_block)."
     )
     _TOPOLOGY = flags.DEFINE_string("topology", None, f"TPU topology, e.g. {EXAMPLE_TOPOLOGIES}.")
+    _GPU = flags.DEFINE_string("gpu", None, "One NVIDIA GPU instead of a TPU topology: h100 or h200 (deltares/gpu_targets/).")
     _MESH = flags.DEFINE_string(
         "mesh", None, "DATA,FSDP,TENSOR mesh sizes (one may be -1); default config.mesh, else fsdp over all devices."
     )

@@ -1,0 +1,122 @@
+"""Compile-only NVIDIA GPU devices (`python -m deltares.aot --gpu h100|h200`): no GPU needed.
+
+XLA's CUDA compiler is the PJRT plugin of JAX's CUDA build (the wheel `jax-cuda12-pjrt`, which
+`jax[cuda12]` installs). Given a description of the GPU, XLA's `GpuTargetConfigProto` in text
+format (shipped in `deltares/gpu_targets/NAME.txtpb`, one per supported GPU), it makes
+compile-only devices (`jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`)
+and compiles for them on a CPU-only machine: GPU code, Triton (Pallas GPU) kernels included,
+and `compiled.memory_analysis()`.
+
+Where the plugin lives: wherever `jax` finds it (`pip install "jax[cuda12]==<jax version>"`, or
+`pip install "deltares[gpu]"`), or in a folder of its own, out of the way of every other JAX
+program (a plugin installed beside jax is loaded by every JAX process, and on a machine without
+a GPU it prints CUDA warnings there): `pip install --no-deps --target DIR jax-cuda12-pjrt==<jax
+version>`, then DIR in $DELTARES_CUDA_COMPILER, or DIR = `<virtual env>/cuda-compiler`, where
+.ci/run puts it. Only this module adds that folder to `sys.path`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import sys
+
+import jax
+
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu_targets")
+GPUS = ("h100", "h200")  # deltares/gpu_targets/<name>.txtpb
+COMPILER_ENV = "DELTARES_CUDA_COMPILER"
+
+
+class CudaCompilerMissing(RuntimeError):
+    """The CUDA PJRT plugin (XLA's GPU compiler) is not installed where JAX or this module looks."""
+
+
+def target_config(name: str) -> str:
+    """The GpuTargetConfigProto text of GPU `name` ("h100", "h200"); ValueError for another name."""
+    key = name.strip().lower()
+    if key not in GPUS:
+        raise ValueError(f"--gpu={name!r} is not a GPU of deltares/gpu_targets; choose one of {', '.join(GPUS)}")
+    with open(os.path.join(TARGETS_DIR, f"{key}.txtpb"), encoding="utf-8") as f:
+        return f.read()
+
+
+def device_memory_bytes(name: str) -> int:
+    """The GPU's memory as its target config states it (`device_memory_size`)."""
+    match = re.search(r"^\s*device_memory_size:\s*(\d+)", target_config(name), re.M)
+    if not match:
+        raise ValueError(f"deltares/gpu_targets/{name}.txtpb has no device_memory_size")
+    return int(match.group(1))
+
+
+def compiler_dir() -> str:
+    """The folder holding the plugin when it is kept apart: $DELTARES_CUDA_COMPILER, else
+    `<sys.prefix>/cuda-compiler` (a virtual environment's own folder)."""
+    return os.environ.get(COMPILER_ENV) or os.path.join(sys.prefix, "cuda-compiler")
+
+
+def _install_hint() -> str:
+    version = jax.__version__
+    return (
+        f'pip install "jax[cuda12]=={version}" (or, kept out of other JAX programs\' way, '
+        f'pip install --no-deps --target {compiler_dir()} jax-cuda12-pjrt=={version}); '
+        "and run with JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (deltares.aot sets both where they are unset)"
+    )
+
+
+def _as_compiler() -> None:
+    """The CUDA plugin used as a compiler only: JAX's backends stay on the CPU (no GPU is sought)
+    and the plugin skips its check of the CUDA libraries of a GPU machine. Values already set are
+    kept; JAX_PLATFORMS only matters before JAX starts its backends."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            jax.config.update("jax_platforms", "cpu")
+    # A compile-only executable is written to JAX's persistent compilation cache but cannot be read
+    # back (that needs a GPU client): every later compile would warn. Off for this process (where
+    # JAX has not used the cache yet; it decides once).
+    jax.config.update("jax_enable_compilation_cache", False)
+    # Without jax-cuda12-plugin (custom calls of jax's own GPU ops: not needed to compile the train
+    # step, Triton kernels included) the plugin warns "cuda_plugin_extension is not found".
+    logging.getLogger("jax_plugins.xla_cuda12").setLevel(logging.ERROR)
+    directory = compiler_dir()
+    if os.path.isdir(os.path.join(directory, "jax_plugins")) and directory not in sys.path:
+        sys.path.append(directory)  # jax_plugins is a namespace package: its path follows sys.path
+
+
+def _register_plugin_late() -> bool:
+    """JAX discovers plugins once, when it starts its backends; a plugin made importable after that
+    (the folder above) is initialised here. Whether there was one."""
+    try:
+        module = importlib.import_module("jax_plugins.xla_cuda12")
+    except ImportError:
+        return False
+    module.initialize()
+    return True
+
+
+def gpu_devices(name: str) -> list:
+    """Compile-only devices of one GPU `name` ("h100" or "h200"), for a `jax.sharding.Mesh`.
+    ValueError for another name; CudaCompilerMissing (saying what to install) without the plugin."""
+    config = target_config(name)
+    _as_compiler()
+    from jax.experimental import topologies
+
+    def make():
+        return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1").devices)
+
+    try:
+        return make()
+    except NotImplementedError:  # "topology not implemented for cuda": the plugin was not discovered
+        pass
+    if _register_plugin_late():
+        try:
+            return make()
+        except NotImplementedError:
+            pass
+    raise CudaCompilerMissing(f"--gpu={name}: XLA's CUDA compiler is not installed: {_install_hint()}")

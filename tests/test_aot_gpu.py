@@ -1,0 +1,176 @@
+"""The ahead-of-time GPU compile (`python -m deltares.aot --gpu h100|h200`): XLA's CUDA compiler
+(requirements-cuda-compiler.txt, which .ci/run installs in the virtual environment's cuda-compiler/
+folder) builds the real train step for one GPU on this CPU-only machine.
+
+The compiles run in subprocesses, through `aot.analyze` and the command line, so that the CUDA
+plugin is never registered in the test process beside its CPU backend (and the TPU compiler of
+tests/test_aot.py). A compile of the debug train step takes about 12 s here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deltares import aot
+from deltares.training import gpu_aot
+from tests.jax_cache import ENV, ROOT, run_module
+
+TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas Triton kernel in jax 0.10 (a Mosaic GPU
+# kernel, the other Pallas GPU backend, is a different custom call)
+
+
+def _compiler_installed() -> bool:
+    return any(_has_plugin(base) for base in [gpu_aot.compiler_dir(), *sys.path])
+
+
+def _has_plugin(base: str) -> bool:
+    return bool(base) and os.path.isfile(os.path.join(base, "jax_plugins", "xla_cuda12", "xla_cuda_plugin.so"))
+
+
+needs_cuda_compiler = pytest.mark.skipif(
+    not _compiler_installed() and not os.environ.get("CI"),  # in CI it must be there (.ci/run): fail, not skip
+    reason="XLA's CUDA compiler is not installed (requirements-cuda-compiler.txt, see .ci/run)",
+)
+
+
+# Runs in a subprocess (one process, one GPU compiler): `aot.analyze` for the debug train step with the
+# routing kernel and without, each report printed with what the compiled program's HLO text holds.
+COMPILES = """if True:
+    import importlib.machinery, json, sys
+    from deltares import aot
+    texts = []
+    count = aot.pallas_kernel_calls
+    aot.pallas_kernel_calls = lambda text: texts.append(text) or count(text)
+    experiment = importlib.machinery.SourceFileLoader("debug", "experiments/debug.py").load_module()
+    for impl in ("pallas", "xla"):
+        cfg = experiment.get_config("delta_block")
+        cfg.model.residual.impl = impl  # --config.model.residual.impl=...
+        report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block", gpu="h100")
+        hlo = texts.pop()  # the compiled train step (an out-of-memory report would have none)
+        print(json.dumps(dict(impl=impl, report=report, triton_calls=hlo.count(sys.argv[1]))), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def h100_compiles():
+    """{impl: (report, Triton kernel calls in the optimized HLO)} for impl pallas and xla."""
+    proc = subprocess.run([sys.executable, "-c", COMPILES, TRITON_CALL], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "using the xla implementation" not in proc.stderr  # the kernel did not fall back
+    assert "Error reading persistent compilation cache" not in proc.stderr
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            item = json.loads(line)
+            out[item["impl"]] = item["report"], item["triton_calls"]
+    assert set(out) == {"pallas", "xla"}, proc.stdout
+    return out
+
+
+@needs_cuda_compiler
+def test_fused_routing_is_a_triton_kernel_of_the_h100_train_step(h100_compiles):
+    """impl=pallas: the depth-routing kernel of kernels_pallas/depth_route/pallas_gpu.py (forward and
+    backward) is compiled into the H100 train step."""
+    report, triton_calls = h100_compiles["pallas"]
+    assert triton_calls >= 2 and report["pallas_kernel_calls"] == triton_calls
+    assert report["routing_impl"] == "pallas" and report["gpu"] == "h100" and report["topology"] is None
+    assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["devices"] == 1
+    assert report["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert (report["global_batch"], report["seq_len"]) == (4, 32)  # the experiment's own batch
+    for key in ("per_device_bytes", "argument_bytes", "output_bytes", "temp_bytes", "hbm_bytes", "flops_per_step"):
+        assert report[key] > 0, key
+    assert report["per_device_bytes"] == (report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"]
+                                          + report["temp_bytes"] + report["code_bytes"])
+    assert report["alias_bytes"] > 0.9 * report["argument_bytes"]  # the donated state is written in place
+    assert report["hbm_bytes"] == gpu_aot.device_memory_bytes("h100") == 84942979072  # 79.1 GiB
+    assert report["hbm_source"] == "target_config"
+    assert report["fits"] is True and report["per_device_bytes"] < 2**30
+    assert report["flops_per_step"] == pytest.approx(report["model_flops_per_step"], rel=0.15)
+
+
+@needs_cuda_compiler
+def test_xla_routing_compiles_no_triton_kernel(h100_compiles):
+    """The same step with impl=xla: no Pallas kernel, so the marker above really marks the kernel."""
+    report, triton_calls = h100_compiles["xla"]
+    assert triton_calls == 0 and report["pallas_kernel_calls"] == 0 and report["routing_impl"] == "xla"
+    assert report["fits"] is True and report["per_device_bytes"] > 0
+
+
+@needs_cuda_compiler
+def test_command_line_report_for_one_h200():
+    proc = run_module("deltares.aot", "--config", "experiments/debug.py:baseline", "--gpu", "h200", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "gpu h200: 1 x NVIDIA H200 141GB HBM3e, mesh data=1 fsdp=1 tensor=1" in out
+    assert "of 141.00 GiB HBM (the device memory of deltares/gpu_targets/)" in out
+    for word in ("arguments", "outputs", "temporaries", "total", "FLOPs per step", "fits: yes"):
+        assert word in out, word
+    assert "Traceback" not in proc.stderr
+
+
+@needs_cuda_compiler
+def test_plugin_kept_apart_is_registered_after_jax_started():
+    """A program that has started JAX (its CPU backend) before asking for GPU devices: JAX discovered
+    its plugins then, without the folder; gpu_devices registers the plugin itself."""
+    code = """if True:
+        import jax, jax.numpy as jnp
+        print(float(jnp.ones(3).sum()))  # backends started: plugins discovered
+        from deltares.training import gpu_aot
+        (device,) = gpu_aot.gpu_devices("h200")
+        mesh = jax.sharding.Mesh([device], ("x",))
+        arg = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+        compiled = jax.jit(lambda a: (a @ a).sum()).lower(arg).compile()
+        print(device.device_kind, device.platform, compiled.memory_analysis().argument_size_in_bytes)
+    """
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["3.0", f"NVIDIA H200 141GB HBM3e gpu {256 * 256 * 4}"], proc.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (("--gpu", "h300"), "choose one of h100, h200"),
+        (("--gpu", "h100", "--topology", "v5e:2x2"), "exclude each other"),
+    ],
+)
+def test_bad_gpu_is_one_error_line(flags, words):
+    proc = run_module("deltares.aot", "--config", "experiments/debug.py", *flags, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], proc.stderr
+
+
+def test_unknown_gpu_name_is_a_value_error():
+    with pytest.raises(ValueError, match="h100, h200"):
+        gpu_aot.gpu_devices("a100")
+
+
+def test_missing_compiler_says_what_to_install(tmp_path):
+    """Without the plugin (an empty folder, nothing beside jax) the error names the pip command."""
+    if any(_has_plugin(p) for p in sys.path if os.path.realpath(p) != os.path.realpath(gpu_aot.compiler_dir())):
+        pytest.skip("the CUDA plugin is installed beside jax here")
+    env = {**ENV, gpu_aot.COMPILER_ENV: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "deltares.aot", "--config", "experiments/debug.py", "--gpu", "h100",
+                           "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    import jax
+
+    assert f'pip install "jax[cuda12]=={jax.__version__}"' in error
+    assert "JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1" in error
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_target_configs_ship_and_state_the_memory():
+    assert gpu_aot.device_memory_bytes("h100") == 84942979072
+    assert gpu_aot.device_memory_bytes("H200") == 141 * 2**30
+    for name in gpu_aot.GPUS:
+        text = gpu_aot.target_config(name)
+        assert 'platform_name: "CUDA"' in text and "major: 9" in text
+    assert "4800000000000" in gpu_aot.target_config("h200") and "3352320000000" in gpu_aot.target_config("h100")

@@ -49,8 +49,9 @@ class DecoderLayer(nn.Module):
     config: Any
     return_stats: bool = False
 
-    def _delta(self, j, state: DepthState, plan: ResidualPlan, router: str, body):
-        """Sublayer j's delta v_j = f_j(norm(x_j)) on `state`, and its routing stats."""
+    def _delta(self, j, state: DepthState, plan: ResidualPlan, router: str, body, final: bool = False):
+        """Sublayer j's delta v_j = f_j(norm(x_j)) on `state` (`final`: holding the final buffer,
+        deltares.nn.depth.sublayer_input), and its routing stats."""
         cfg = self.config
         norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
         if plan.uses_sources:
@@ -58,7 +59,7 @@ class DecoderLayer(nn.Module):
             impl = "xla" if self.return_stats else res.impl  # statistics need the weights
             router_module = DepthRouter(res.gate, res.null_source, impl, res.interpret, cfg.norm_eps,
                                         name=f"{router}_router")
-            x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.null_source)
+            x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.null_source, cfg.norm_eps, final)
             stats = routing_stats(weights_SBT, routed) if self.return_stats else None
         else:
             x_BTD, stats = state.h_BTD, (empty_stats(plan.n_slots) if self.return_stats else None)
@@ -72,8 +73,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, state: DepthState, layer, cos_TE, sin_TE, cache=None, pos=None, only=None):
         """Returns (state, stats); with an attention `cache` (decoding, see Attention),
         (state, (stats, new cache)). With `only` (0: attention, 1: MLP), runs that sublayer
-        alone on `state` and returns its delta and the delta's 1/rms, writing nothing (the
-        store-once backward, deltares.nn.depth)."""
+        alone on `state`, which holds the final source buffer, and returns its delta and the delta's
+        1/rms, writing nothing (the store-once backward, deltares.nn.depth)."""
         cfg = self.config
         plan = plan_for(cfg)
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
 
         sublayers = (("attn", attend), ("mlp", mlp))
         if only is not None:
-            v_BTD, _ = self._delta(2 * layer + only, state, plan, *sublayers[only])
+            v_BTD, _ = self._delta(2 * layer + only, state, plan, *sublayers[only], final=True)
             return v_BTD, routing.inv_rms(v_BTD, cfg.norm_eps)
         per_sublayer = []
         for k, (router, body) in enumerate(sublayers):

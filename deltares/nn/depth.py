@@ -3,19 +3,15 @@ depth pass with a store-once source buffer for the backward pass.
 
 Reverse-mode AD of a scan saves the carry at every step, so a source buffer
 carried through L layers is stored L times: O(L x S x B x T x D) memory, quadratic
-in depth (DESIGN.md section 5, "Memory trap"). Sources are write-once (block
-modes: each slot changes only while its block runs), so the final buffer holds
-every value a layer read. `depth_scan` therefore saves, per layer, only the
-stream h and the layer's own write slot (the running partial in block modes),
-and its backward pass walks the layers in reverse, rebuilds each layer's input
-buffer from the final one, recomputes the layer and accumulates cotangents.
-Memory: one final buffer, one cotangent buffer, and O(L x B x T x D) for the
-per-layer saves, the same order as baseline with remat.
-
-The per-sublayer modes (`delta`, `full_attnres`, S = 2L + 1 slots) go further: their
-backward pass differentiates each sublayer alone as (params, h, final buffer) -> delta,
-so a recomputation never writes, and so never copies, the buffer; block modes (a few
-slots) recompute whole layers from the rebuilt input buffer.
+in depth (DESIGN.md section 5, "Memory trap"). Every slot is written once for good
+(per-sublayer modes: a delta; block modes: a completed block's sum, the running
+partial being the stream minus the stream at the block's start, read from the
+stream and never stored for the backward pass), so the final buffer holds every
+source value any sublayer read. `depth_scan` therefore saves per layer only what
+baseline's remat saves, the layer's input stream h, and its backward pass walks the
+sublayers in reverse, each differentiated alone as (params, h, final buffer) -> delta:
+a recomputation never writes, and so never copies, the buffer. Memory beyond
+baseline: the final buffer and one cotangent buffer.
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ class DepthState(NamedTuple):
     h_BTD: jax.Array  # additive stream e + sum of deltas so far
     sources_SBTD: jax.Array | None  # source buffer (None in baseline)
     inv_rms_SBT: jax.Array | None  # float32 1/rms of every slot
+    h_block_BTD: jax.Array | None = None  # block modes: the stream where the running block began
 
 
 def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS) -> DepthState:
@@ -48,10 +45,32 @@ def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS) -
     sources = jnp.zeros((plan.n_slots,) + e_BTD.shape, e_BTD.dtype).at[0].set(e_BTD)
     sources = nn.with_logical_constraint(sources, SOURCES_AXES)
     inv = jnp.zeros((plan.n_slots,) + e_BTD.shape[:2], jnp.float32).at[0].set(routing.inv_rms(e_BTD, eps))
-    return DepthState(e_BTD, sources, inv)
+    return DepthState(e_BTD, sources, inv, e_BTD if plan.mode in BLOCK_MODES else None)
 
 
-def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source: bool = False):
+def _block_partial(state: DepthState, dtype, eps: float):
+    """The running block's partial p = h - h_block (block modes) in `dtype`, and its 1/rms."""
+    p_BTD = (state.h_BTD.astype(jnp.float32) - state.h_block_BTD.astype(jnp.float32)).astype(dtype)
+    return p_BTD, routing.inv_rms(p_BTD, eps)
+
+
+def routing_sources(plan: ResidualPlan, state: DepthState, j, eps: float = routing.NORM_EPS, final: bool = False):
+    """The buffer and 1/rms sublayer j routes over: the state's. With `final` (the state holds the
+    final buffer: a backward pass), block modes' partial slot (j's write slot, where the final
+    buffer holds the completed block) is read from the stream instead, h - h_block: the value
+    `add_delta` wrote there, by the same arithmetic."""
+    if plan.mode not in BLOCK_MODES or not final:
+        return state.sources_SBTD, state.inv_rms_SBT
+    slot = jnp.asarray(plan.write)[j]
+    p_BTD, p_inv_BT = _block_partial(state, state.sources_SBTD.dtype, eps)
+    is_slot = jnp.arange(plan.n_slots) == slot
+    sources = jnp.where(is_slot[:, None, None, None], p_BTD[None], state.sources_SBTD)
+    inv = jnp.where(is_slot[:, None, None], p_inv_BT[None], state.inv_rms_SBT)
+    return sources, inv
+
+
+def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source: bool = False,
+                   eps: float = routing.NORM_EPS, final: bool = False):
     """Sublayer j's input x_j (DESIGN.md section 3) and its routing: returns (x_BTD, weights_SBT or
     None, routed). `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
     (linen or NNX) or `apply_router` on parameters; `j` may be traced (a scanned layer).
@@ -60,29 +79,42 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         x_j = route(S_j)           replacement modes (Kimi)
         x_j = h_j + route(S_j)     additive modes (Delta)
 
-    A null source is one more source: with it every sublayer routes."""
+    A null source is one more source: with it every sublayer routes. `eps` is the norm's epsilon
+    of the cached 1/rms; `final`: the state holds the final buffer (`routing_sources`)."""
     if not plan.uses_sources:
         return state.h_BTD, None, jnp.asarray(False)
     routed = jnp.asarray(plan.routed | null_source)[j]
     residual = None if plan.replaces_stream else state.h_BTD
-    x_BTD, weights_SBT = router(state.sources_SBTD, state.inv_rms_SBT, jnp.asarray(plan.read)[j], residual)
+    sources, inv = routing_sources(plan, state, j, eps, final)
+    if isinstance(j, int):  # unrolled: only the slots up to the last one j reads
+        n = int(plan.read[j].nonzero()[0].max()) + 1
+        x_BTD, weights_SBT = router(sources[:n], inv[:n], plan.read[j][:n], residual)
+        if weights_SBT is not None:
+            weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
+    else:
+        x_BTD, weights_SBT = router(sources, inv, jnp.asarray(plan.read)[j], residual)
     if residual is not None:  # single source: no routing, x = h
         x_BTD = jnp.where(routed, x_BTD, state.h_BTD)
     return x_BTD, weights_SBT, routed
 
 
 def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = routing.NORM_EPS) -> DepthState:
-    """h_{j+1} = h_j + v_j, and v_j into sublayer j's write slot (with its 1/rms)."""
+    """h_{j+1} = h_j + v_j, and sublayer j's write slot: v_j (per-sublayer modes), or the block's
+    sum so far h_{j+1} - h_block (block modes; h_block = h_j where j opens the block), with its 1/rms."""
     h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, STREAM_AXES)
     if not plan.uses_sources:
         return DepthState(h_BTD, None, None)
     slot = jnp.asarray(plan.write)[j]
-    # Block modes accumulate the block's partial; other modes write a fresh slot once
-    # (overwriting, which lets the store-once backward recompute from the final buffer).
-    slot_BTD = state.sources_SBTD[slot] + v_BTD if plan.mode in BLOCK_MODES else v_BTD
+    h_block = None
+    if plan.mode in BLOCK_MODES:
+        h_block = jnp.where(jnp.asarray(plan.opens_block)[j], state.h_BTD, state.h_block_BTD)
+        slot_BTD, slot_inv_BT = _block_partial(DepthState(h_BTD, None, None, h_block), state.sources_SBTD.dtype, eps)
+    else:
+        slot_BTD = v_BTD.astype(state.sources_SBTD.dtype)
+        slot_inv_BT = routing.inv_rms(slot_BTD, eps)
     sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
-    inv = state.inv_rms_SBT.at[slot].set(routing.inv_rms(slot_BTD, eps))
-    return DepthState(h_BTD, sources, inv)
+    inv = state.inv_rms_SBT.at[slot].set(slot_inv_BT)
+    return DepthState(h_BTD, sources, inv, h_block)
 
 
 def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
@@ -96,67 +128,30 @@ def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
     return out_BTD
 
 
-def _input_state(final: DepthState, saved, layer, plan: ResidualPlan) -> DepthState:
-    """A block mode's layer `layer` input state: slots before its first write slot come from
-    the final buffer, later slots are zero as they were, and its write slot (the running
-    partial) comes from `saved`."""
-    h_BTD, partial = saved
-    first = jnp.asarray(plan.write)[2 * layer]
-    slots = jnp.arange(plan.n_slots)
-    before = slots < first
-    sources = jnp.where(before[:, None, None, None], final.sources_SBTD, 0)
-    inv = jnp.where(before[:, None, None], final.inv_rms_SBT, 0)
-    slot_BTD, slot_inv_BT = partial
-    return DepthState(h_BTD, sources.at[first].set(slot_BTD), inv.at[first].set(slot_inv_BT))
-
-
-def _saved(state: DepthState, layer, plan: ResidualPlan):
-    """What the backward pass cannot rebuild from the final buffer: the stream, and in block
-    modes the partial (per-sublayer modes rebuild everything else from the final buffer)."""
-    if plan.mode not in BLOCK_MODES:
-        return state.h_BTD, None
-    first = jnp.asarray(plan.write)[2 * layer]
-    return state.h_BTD, (state.sources_SBTD[first], state.inv_rms_SBT[first])
-
-
-def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan, unroll: bool = False):
+def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan, unroll: bool = False,
+               eps: float = routing.NORM_EPS):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
     `params_L`; returns (final state, stacked stats). Differentiable in params and state.
 
-    Block modes differentiate layer by layer (`layer_fn` on the rebuilt input state); the
-    per-sublayer modes sublayer by sublayer over the final buffer with
-    `layer_fn(params_l, state, l, only=k) -> (v, 1/rms(v))` (sublayer k of layer l alone,
-    writing nothing; `_sublayer_backward`), so their backward pass never writes the buffer.
-    `unroll` unrolls both scans (the same program without loops)."""
-    n_layers = plan.n_layers
-    by_sublayer = plan.mode not in BLOCK_MODES
+    The backward pass (`_sublayer_backward`) differentiates sublayer by sublayer over the final
+    buffer with `layer_fn(params_l, state, l, only=k) -> (v, 1/rms(v))` (sublayer k of layer l
+    alone on a state holding the final buffer, `sublayer_input(..., final=True)`, writing nothing). Per layer, the forward pass saves only its input stream.
+    `unroll` unrolls both scans (the same program without loops); `eps` is the 1/rms epsilon."""
 
     def forward(params_L, state):
         def body(state, xs):
             params_l, layer = xs
-            saved = _saved(state, layer, plan)
+            h_l = state.h_BTD
             state, stats = layer_fn(params_l, state, layer)
-            return state, (stats, saved)
+            return state, (stats, h_l)
 
-        final, (stats, saved) = jax.lax.scan(body, state, (params_L, jnp.arange(n_layers)), unroll=unroll)
-        return (final, stats), (params_L, saved, final)
+        final, (stats, h_L) = jax.lax.scan(body, state, (params_L, jnp.arange(plan.n_layers)), unroll=unroll)
+        return (final, stats), (params_L, h_L, final)
 
     def backward(residuals, cotangents):
-        params_L, saved, final = residuals
-        d_final, d_stats = cotangents
-        if by_sublayer:
-            return _sublayer_backward(layer_fn, params_L, saved[0], final, d_final, plan, unroll)
-
-        def body(d_state, xs):
-            params_l, layer, saved_l, d_stats_l = xs
-            state_l = _input_state(final, saved_l, layer, plan)
-            _, vjp = jax.vjp(lambda p, s: layer_fn(p, s, layer), params_l, state_l)
-            d_params_l, d_state_l = vjp((d_state, d_stats_l))
-            return d_state_l, d_params_l
-
-        xs = (params_L, jnp.arange(n_layers), saved, d_stats)
-        d_state, d_params = jax.lax.scan(body, d_final, xs, reverse=True, unroll=unroll)
-        return d_params, d_state
+        params_L, h_L, final = residuals
+        d_final, _ = cotangents  # statistics carry no gradient
+        return _sublayer_backward(layer_fn, params_L, h_L, final, d_final, plan, unroll, eps)
 
     @jax.custom_vjp
     def run(params_L, state):
@@ -167,42 +162,74 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
 
 
 def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: DepthState, plan: ResidualPlan,
-                       unroll: bool = False):
-    """The backward pass of the per-sublayer modes, sublayer by sublayer in reverse.
+                       unroll: bool = False, eps: float = routing.NORM_EPS):
+    """The backward pass, sublayer by sublayer in reverse.
 
-    Sublayer j reads the final buffer (slots from its own write slot on are masked out of
-    its softmax) and the stream h_j, and produces v_j, which is both slot write[j] and
-    h_{j+1} - h_j. So v_j's cotangent is d h_{j+1} plus what later readers sent to its slot
-    (d_sources[write[j]], and through 1/rms d_inv[write[j]]); its vjp adds to d h_j and to the
-    buffer's cotangent, which the scan carries. h_j comes from the saved
-    layer input (attention) or as h_l + final slot of the attention's delta (MLP), which is
-    the value the forward pass computed. Statistics carry no gradient."""
+    Sublayer j reads the final buffer (slots from its own write slot on are masked out of its
+    softmax; block modes read their partial from the stream, `routing_sources`) and the stream
+    h_j, and produces v_j = h_{j+1} - h_j. Its cotangent is d h_{j+1}, plus, in the per-sublayer
+    modes, what later readers sent to its slot (d_sources[write[j]], and through 1/rms
+    d_inv[write[j]]). In block modes a slot's value is c = h_end - h_block, written by the block's
+    last sublayer: its cotangent (from later readers) goes to h_end there and, negated, to h_block;
+    h_block's cotangent (also from every partial read) is added to the stream's at the sublayer
+    that opened the block. h_j comes from the saved layer input (attention) or as h_l + v_attn
+    (MLP): v_attn is the final buffer's slot (per-sublayer modes) or recomputed (block modes)."""
     write = jnp.asarray(plan.write)
+    block = plan.mode in BLOCK_MODES
+    opens, closes = jnp.asarray(plan.opens_block), jnp.asarray(plan.closes_block)
+    block_start = jnp.asarray(plan.block_start_layer)
 
     def body(carry, xs):
-        d_h, d_sources, d_inv = carry
+        d_h, d_sources, d_inv, d_block = carry
         params_l, layer, h_l = xs
-        h_mid = h_l + final.sources_SBTD[write[2 * layer]]
+        h_block = h_L[block_start[layer]] if block else None
+
+        def delta(p, h, sources, inv, h_block, k):
+            return layer_fn(p, DepthState(h, sources, inv, h_block), layer, only=k)
+
+        primals = (final.sources_SBTD, final.inv_rms_SBT, h_block)
+        if block:
+            v_attn, attn_vjp = jax.vjp(lambda p, h, *rest: delta(p, h, *rest, 0), params_l, h_l, *primals)
+            v_attn = v_attn[0]
+        else:
+            v_attn = final.sources_SBTD[write[2 * layer]]
+        h_mid = h_l + v_attn.astype(h_l.dtype)
         d_params_l = None
         for k, h_in in ((1, h_mid), (0, h_l)):
-            slot = write[2 * layer + k]
-
-            def delta(p, h, sources, inv, k=k):
-                return layer_fn(p, DepthState(h, sources, inv), layer, only=k)
-
-            _, vjp = jax.vjp(delta, params_l, h_in, final.sources_SBTD, final.inv_rms_SBT)
-            d_v = (d_h + d_sources[slot]).astype(h_in.dtype)
-            d_p, d_h_in, d_src, d_inv_k = vjp((d_v, d_inv[slot]))
+            j = 2 * layer + k
+            slot = write[j]
+            if block:
+                # the block's last write: c = h_{j+1} - h_block, read by later blocks
+                c_BTD = final.sources_SBTD[slot]
+                _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), c_BTD)
+                (d_c_inv,) = inv_vjp(d_inv[slot])
+                d_c = jnp.where(closes[j], d_sources[slot].astype(jnp.float32) + d_c_inv.astype(jnp.float32), 0)
+                d_h = d_h + d_c.astype(d_h.dtype)
+                d_block = d_block - d_c.astype(d_block.dtype)
+                d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
+            else:
+                d_v, d_v_inv = (d_h + d_sources[slot]).astype(h_in.dtype), d_inv[slot]
+            if block and k == 0:
+                vjp = attn_vjp
+            else:
+                _, vjp = jax.vjp(lambda p, h, *rest, k=k: delta(p, h, *rest, k), params_l, h_in, *primals)
+            d_p, d_h_in, d_src, d_inv_k, d_block_k = vjp((d_v, d_v_inv))
             d_h, d_sources, d_inv = d_h + d_h_in, d_sources + d_src, d_inv + d_inv_k
+            if block:
+                # h_block is h_j of the sublayer that opened the block
+                d_block = d_block + d_block_k.astype(d_block.dtype)
+                d_h = jnp.where(opens[j], d_h + d_block.astype(d_h.dtype), d_h)
+                d_block = jnp.where(opens[j], 0, d_block)
             d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
-        return (d_h, d_sources, d_inv), d_params_l
+        return (d_h, d_sources, d_inv, d_block), d_params_l
 
-    carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT)
+    d_block0 = d_final.h_block_BTD if block else None
+    carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT, d_block0)
     xs = (params_L, jnp.arange(plan.n_layers), h_L)
-    (d_h, d_sources, d_inv), d_params = jax.lax.scan(body, carry, xs, reverse=True, unroll=unroll)
-    # Every slot but 0 (the embedding) is overwritten by its sublayer: the initial buffer's
-    # values there do not reach the output.
+    (d_h, d_sources, d_inv, d_block), d_params = jax.lax.scan(body, carry, xs, reverse=True, unroll=unroll)
+    # Every slot but 0 (the embedding) is overwritten: the initial buffer's values there do not
+    # reach the output.
     first = (jnp.arange(plan.n_slots) == 0)
     d_sources = jnp.where(first[:, None, None, None], d_sources, 0).astype(d_final.sources_SBTD.dtype)
     d_inv = jnp.where(first[:, None, None], d_inv, 0)
-    return d_params, DepthState(d_h, d_sources, d_inv)
+    return d_params, DepthState(d_h, d_sources, d_inv, d_block)

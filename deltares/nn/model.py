@@ -117,7 +117,7 @@ class Transformer(nn.Module):
                 return layer.apply({"params": params_l}, state, index, cos_TE, sin_TE, only=only)
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
-            state, stats = depth_scan(layer_fn, params_L, state, plan, unroll=cfg.scan_unroll)
+            state, stats = depth_scan(layer_fn, params_L, state, plan, unroll=cfg.scan_unroll, eps=cfg.norm_eps)
         else:
             state, stats, _ = self._layers(self._layer_class(), state, cos_TE, sin_TE, return_stats)
 

@@ -5,9 +5,11 @@ The model keeps its depth sources in one buffer of `n_slots` slots, each [B, T, 
 - per-sublayer modes (`full_attnres`, `delta`): slot 0 holds the embedding e and
   slot j+1 the delta v_j of sublayer j, so sublayer j reads slots 0..j;
 - block modes (`block_attnres`, `delta_block`): slot 0 holds e and slot n+1 the
-  sum of the deltas of block n: the partial p_j while block n runs, c_n once it
-  is complete. Sublayer j of block n reads slots 0..n, plus the partial slot
-  n+1 unless j opens the block (or `include_partial` is off).
+  sum of the deltas of block n, c_n, once the block is complete. Sublayer j of
+  block n reads slots 0..n, plus the partial p_j (the block's deltas so far) in
+  slot n+1 unless j opens the block (or `include_partial` is off); p_j is the
+  stream minus the stream at the block's start (deltares.nn.depth), so it is
+  read from the stream, never saved.
 
 Every sublayer adds its delta into its `write` slot. Which slots each sublayer
 reads is the table of DESIGN.md section 3, fixed at trace time, so one scanned
@@ -42,6 +44,24 @@ class ResidualPlan:
     def routed(self) -> np.ndarray:
         """[2L] whether sublayer j routes: more than one source (softmax over one is constant)."""
         return self.n_sources > 1
+
+    @property
+    def opens_block(self) -> np.ndarray:
+        """[2L] block modes: sublayer j is its block's first (it starts a new partial)."""
+        return np.r_[True, self.write[1:] != self.write[:-1]] & (self.mode in BLOCK_MODES)
+
+    @property
+    def closes_block(self) -> np.ndarray:
+        """[2L] block modes: sublayer j is its block's last (its write completes the block's slot)."""
+        return np.r_[self.write[1:] != self.write[:-1], True] & (self.mode in BLOCK_MODES)
+
+    @property
+    def block_start_layer(self) -> np.ndarray:
+        """[L] the first layer of each layer's block (block modes; each layer its own otherwise)."""
+        if self.mode not in BLOCK_MODES:
+            return np.arange(self.n_layers, dtype=np.int32)
+        first_sublayer = np.maximum.accumulate(np.where(self.opens_block, np.arange(2 * self.n_layers), 0))
+        return (first_sublayer[::2] // 2).astype(np.int32)
 
     @property
     def uses_sources(self) -> bool:

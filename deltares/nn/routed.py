@@ -76,14 +76,15 @@ class DepthRouting:
         """The depth state before sublayer 0: stream e, and e in source slot 0."""
         return init_depth_state(e_BTD, self.plan, self.eps)
 
-    def input(self, state: DepthState, j, router=None, *, return_weights: bool = False):
+    def input(self, state: DepthState, j, router=None, *, return_weights: bool = False, final: bool = False):
         """Sublayer j's input x_j [B, T, D]; with `return_weights` also (weights [S, B, T] or None).
         `router` is called in every mode but baseline (even where j has one source, so every
-        sublayer has parameters, as in deltares' Transformer)."""
+        sublayer has parameters, as in deltares' Transformer). `final`: `state` holds the final
+        source buffer (a store-once backward pass, `layer(only=)`)."""
         if self.uses_routers and router is None:
             raise ValueError(f"mode {self.mode!r} routes sublayer inputs: pass a router")
         router = self._callable(router)
-        x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router))
+        x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router), self.eps, final)
         return (x_BTD, weights_SBT) if return_weights else x_BTD
 
     def add(self, state: DepthState, j, v_BTD) -> DepthState:
@@ -100,12 +101,13 @@ class DepthRouting:
         (the protocol of deltares.nn.depth.depth_scan)."""
         if len(sublayers) != SUBLAYERS_PER_LAYER:
             raise ValueError(f"a layer has {SUBLAYERS_PER_LAYER} sublayers (attention, MLP), got {len(sublayers)}")
-        def delta(k, state):
+        def delta(k, state, final=False):
             router, fn = sublayers[k]
-            return fn(self.input(state, SUBLAYERS_PER_LAYER * layer + k, router)).astype(state.h_BTD.dtype)
+            x_BTD = self.input(state, SUBLAYERS_PER_LAYER * layer + k, router, final=final)
+            return fn(x_BTD).astype(state.h_BTD.dtype)
 
-        if only is not None:  # sublayer `only` alone on `state`
-            v_BTD = delta(only, state)
+        if only is not None:  # sublayer `only` alone on `state` (holding the final buffer)
+            v_BTD = delta(only, state, final=True)
             return v_BTD, routing_math.inv_rms(v_BTD, self.eps)
         for k in range(SUBLAYERS_PER_LAYER):
             state = self.add(state, SUBLAYERS_PER_LAYER * layer + k, delta(k, state))
@@ -123,7 +125,7 @@ class DepthRouting:
 
         state = self.start(e_BTD)
         if store_once and self.uses_routers:
-            return depth_scan(layer_fn, params_L, state, self.plan)[0]
+            return depth_scan(layer_fn, params_L, state, self.plan, eps=self.eps)[0]
         step = jax.checkpoint(layer_fn) if remat else layer_fn
 
         def body(state, xs):

@@ -33,19 +33,33 @@ SOURCES_AXES = ("sources",) + STREAM_AXES
 
 class DepthState(NamedTuple):
     h_BTD: jax.Array  # additive stream e + sum of deltas so far
-    sources_SBTD: jax.Array | None  # source buffer (None in baseline)
-    inv_rms_SBT: jax.Array | None  # float32 1/rms of every slot
+    sources_SBTD: jax.Array | tuple | None  # source buffer [S, B, T, D], or the slots so far (None in baseline)
+    inv_rms_SBT: jax.Array | tuple | None  # float32 1/rms of every slot
     h_block_BTD: jax.Array | None = None  # block modes: the stream where the running block began
 
 
-def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS) -> DepthState:
-    """Stream = e; slot 0 of the buffer holds e, all other slots are zero."""
+def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS, listed: bool = False) -> DepthState:
+    """Stream = e; slot 0 of the buffer holds e, all other slots are zero. `listed` (unrolled
+    layers, sublayer indices known when tracing): the sources are a tuple of the slots written so
+    far, so a write appends or replaces one array and never copies a buffer."""
     if not plan.uses_sources:
         return DepthState(e_BTD, None, None)
+    h_block = e_BTD if plan.mode in BLOCK_MODES else None
+    if listed:
+        return DepthState(e_BTD, (e_BTD,), (routing.inv_rms(e_BTD, eps),), h_block)
     sources = jnp.zeros((plan.n_slots,) + e_BTD.shape, e_BTD.dtype).at[0].set(e_BTD)
     sources = nn.with_logical_constraint(sources, SOURCES_AXES)
     inv = jnp.zeros((plan.n_slots,) + e_BTD.shape[:2], jnp.float32).at[0].set(routing.inv_rms(e_BTD, eps))
-    return DepthState(e_BTD, sources, inv, e_BTD if plan.mode in BLOCK_MODES else None)
+    return DepthState(e_BTD, sources, inv, h_block)
+
+
+def _check_listed(state: DepthState, j) -> bool:
+    """Whether the state's sources are a tuple (`init_depth_state(listed=True)`), which only a
+    sublayer index known when tracing (an int) can address."""
+    listed = isinstance(state.sources_SBTD, tuple)
+    if listed and not isinstance(j, int):
+        raise TypeError(f"sources held as a tuple (unrolled layers) need a Python int sublayer index, got {j!r}")
+    return listed
 
 
 def _block_partial(state: DepthState, dtype, eps: float):
@@ -83,10 +97,11 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
     of the cached 1/rms; `final`: the state holds the final buffer (`routing_sources`)."""
     if not plan.uses_sources:
         return state.h_BTD, None, jnp.asarray(False)
+    _check_listed(state, j)
     routed = jnp.asarray(plan.routed | null_source)[j]
     residual = None if plan.replaces_stream else state.h_BTD
     sources, inv = routing_sources(plan, state, j, eps, final)
-    if isinstance(j, int):  # unrolled: only the slots up to the last one j reads
+    if isinstance(j, int):  # unrolled (listed or not): only the slots up to the last one j reads
         n = int(plan.read[j].nonzero()[0].max()) + 1
         x_BTD, weights_SBT = router(sources[:n], inv[:n], plan.read[j][:n], residual)
         if weights_SBT is not None:
@@ -104,14 +119,23 @@ def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = rout
     h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, STREAM_AXES)
     if not plan.uses_sources:
         return DepthState(h_BTD, None, None)
-    slot = jnp.asarray(plan.write)[j]
+    listed = _check_listed(state, j)
+    dtype = state.sources_SBTD[0].dtype
     h_block = None
     if plan.mode in BLOCK_MODES:
-        h_block = jnp.where(jnp.asarray(plan.opens_block)[j], state.h_BTD, state.h_block_BTD)
-        slot_BTD, slot_inv_BT = _block_partial(DepthState(h_BTD, None, None, h_block), state.sources_SBTD.dtype, eps)
+        if listed:  # j is known
+            h_block = state.h_BTD if plan.opens_block[j] else state.h_block_BTD
+        else:
+            h_block = jnp.where(jnp.asarray(plan.opens_block)[j], state.h_BTD, state.h_block_BTD)
+        slot_BTD, slot_inv_BT = _block_partial(DepthState(h_BTD, None, None, h_block), dtype, eps)
     else:
-        slot_BTD = v_BTD.astype(state.sources_SBTD.dtype)
+        slot_BTD = v_BTD.astype(dtype)
         slot_inv_BT = routing.inv_rms(slot_BTD, eps)
+    if listed:  # a new slot is appended, a block's running slot (the last) replaced
+        keep = int(plan.write[j])
+        sources = state.sources_SBTD[:keep] + (nn.with_logical_constraint(slot_BTD, STREAM_AXES),)
+        return DepthState(h_BTD, sources, state.inv_rms_SBT[:keep] + (slot_inv_BT,), h_block)
+    slot = jnp.asarray(plan.write)[j]
     sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
     inv = state.inv_rms_SBT.at[slot].set(slot_inv_BT)
     return DepthState(h_BTD, sources, inv, h_block)

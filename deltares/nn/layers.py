@@ -158,7 +158,7 @@ class DepthRouter(nn.Module):
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
         if self.gate and residual_BTD is None:
             raise ValueError("a routing gate needs additive routing (a residual)")
-        D = sources_SBTD.shape[-1]
+        D = sources_SBTD[0].shape[-1]  # an array [S, B, T, D] or S arrays [B, T, D]
         params = {name: self.param(name, _param_init(ROUTER_PARAMS[name][0], ROUTER_PARAMS[name][1]),
                                    router_param_shape(name, D), jnp.float32)
                   for name in router_param_names(self.gate, self.null_source)}
@@ -209,7 +209,7 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     if gate is None:
         return route_BTD, weights_SBT
     out_BTD = residual_BTD.astype(jnp.float32) + gate[0] * route_BTD.astype(jnp.float32)
-    return out_BTD.astype(sources_SBTD.dtype), weights_SBT
+    return out_BTD.astype(sources_SBTD[0].dtype), weights_SBT
 
 
 def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
@@ -235,16 +235,22 @@ def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=
     """`routing.route_normalized`; where the logical rules split the buffer's model dimension
     (`act_embed`) over mesh axes, it runs inside `jax.shard_map` on each device's slice of D:
     partial logits, `psum` over those axes, then local softmax and weighted sum, so the source
-    buffer is never gathered. Batch and model axes come from `shard_spec`."""
+    buffer is never gathered. Batch and model axes come from `shard_spec`. Sources (and their
+    1/rms) may be a sequence of arrays (`routing.route_normalized`)."""
     mesh = jax.sharding.get_abstract_mesh()
+    listed = isinstance(sources_SBTD, (tuple, list))
     args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D)
-    sbtd = None if mesh.empty else shard_spec(mesh, SOURCES_AXES, sources_SBTD.shape)
+    shape = (len(sources_SBTD),) + sources_SBTD[0].shape if listed else sources_SBTD.shape
+    sbtd = None if mesh.empty else shard_spec(mesh, SOURCES_AXES, shape)
     if sbtd is None or sbtd[3] is None:
         return routing.route_normalized(*args, eps=eps)
     P = jax.sharding.PartitionSpec
     batch, model_axes = sbtd[1], sbtd[3]
     sbt, btd, d = P(None, batch, None), P(batch, None, model_axes), P(model_axes)
-    specs = (sbtd, sbt, P(), d, d, btd, d)
+    if listed:
+        specs = (tuple(btd for _ in sources_SBTD), tuple(P(batch, None) for _ in sources_SBTD), P(), d, d, btd, d)
+    else:
+        specs = (sbtd, sbt, P(), d, d, btd, d)
     route = functools.partial(routing.route_normalized, model_axis=model_axes, eps=eps)
     return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*args)
 
@@ -256,6 +262,9 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
     (`shard_spec`), D whole
     (the kernel normalises each source itself, so a D split over `tensor` is gathered)."""
     from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
+
+    if isinstance(sources_SBTD, (tuple, list)):  # unrolled layers' separate sources: the kernel reads one buffer
+        sources_SBTD = jnp.stack(sources_SBTD)
 
     def route(sources, valid, query, gain, residual):
         return depth_route(sources, valid, query, gain, residual, implementation=impl, interpret=interpret,

@@ -46,7 +46,10 @@ class Transformer(nn.Module):
     def _layer_class(self):
         layer = DecoderLayer
         if self.config.remat != "none":
-            layer = nn.remat(layer, prevent_cse=not self.config.scan_layers, policy=REMAT_POLICIES[self.config.remat])
+            # unrolled: the layer index stays a Python int (its sources are a tuple, deltares.nn.depth)
+            static = () if self.config.scan_layers else (2,)
+            layer = nn.remat(layer, prevent_cse=not self.config.scan_layers, policy=REMAT_POLICIES[self.config.remat],
+                             static_argnums=static)
         return layer
 
     def _layers(self, layer_cls, state, cos_TE, sin_TE, return_stats, cache=None, pos=None):
@@ -107,7 +110,7 @@ class Transformer(nn.Module):
         )
         e_BTD = nn.with_logical_constraint(embed(tokens_BT), STREAM_AXES)
         cos_TE, sin_TE = rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
-        state = init_depth_state(e_BTD, plan, cfg.norm_eps)
+        state = init_depth_state(e_BTD, plan, cfg.norm_eps, listed=not cfg.scan_layers)
         if cache is not None:  # decoding: nothing is differentiated, no remat
             state, _, cache = self._layers(DecoderLayer, state, cos_TE, sin_TE, False, cache, pos)
         elif cfg.scan_layers and self._store_once(plan):

@@ -38,30 +38,41 @@ def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual
     one the cached `inv_rms_SBT` was computed with).
     With `model_axis` (inside `jax.shard_map`) every D-sized argument is this device's
     slice of a model dimension split over that mesh axis: the partial logits are summed
-    with `psum`, and softmax and weighted sum run locally on the slice."""
-    S, B, T, _ = sources_SBTD.shape
+    with `psum`, and softmax and weighted sum run locally on the slice.
+
+    `sources_SBTD` and `inv_rms_SBT` may also be sequences of S arrays [B, T, D] and [B, T]
+    (unrolled layers keep their sources apart: no buffer is copied at a write)."""
+    listed = isinstance(sources_SBTD, (tuple, list))
+    S = len(sources_SBTD) if listed else sources_SBTD.shape[0]
+    B, T, _ = sources_SBTD[0].shape
+    dtype = sources_SBTD[0].dtype
 
     def sum_over_d(partial):
         return partial if model_axis is None else jax.lax.psum(partial, model_axis)
 
     qg_D = query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
-    logits_SBT = sum_over_d(jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(jnp.float32), qg_D)) * inv_rms_SBT
+    if listed:
+        logits_SBT = jnp.stack([sum_over_d(jnp.einsum("btd,d->bt", s_BTD.astype(jnp.float32), qg_D)) * inv_BT
+                                for s_BTD, inv_BT in zip(sources_SBTD, inv_rms_SBT)])
+    else:
+        logits_SBT = sum_over_d(jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(jnp.float32), qg_D)) * inv_rms_SBT
     valid_SBT = jnp.broadcast_to(jnp.asarray(valid, bool).reshape(_mask_shape(valid, S)), (S, B, T))
     logits_SBT = jnp.where(valid_SBT, logits_SBT, -jnp.inf)
-    if null_D is None:
-        weights_SBT = jax.nn.softmax(logits_SBT, axis=0)
-        out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
-    else:
+    if null_D is not None:
         null_D = null_D.astype(jnp.float32)
         null_logit = sum_over_d(jnp.dot(null_D, qg_D)) * inv_rms(null_D, eps, model_axis)
-        all_logits = jnp.concatenate([logits_SBT, jnp.broadcast_to(null_logit, (1, B, T))], axis=0)
-        all_weights = jax.nn.softmax(all_logits, axis=0)
-        weights_SBT, null_weight_BT = all_weights[:S], all_weights[S]
+        logits_SBT = jnp.concatenate([logits_SBT, jnp.broadcast_to(null_logit, (1, B, T))], axis=0)
+    all_weights = jax.nn.softmax(logits_SBT, axis=0)
+    weights_SBT = all_weights[:S]
+    if listed:
+        out_BTD = sum(w_BT[..., None] * s_BTD.astype(jnp.float32) for w_BT, s_BTD in zip(weights_SBT, sources_SBTD))
+    else:
         out_BTD = jnp.einsum("sbt,sbtd->btd", weights_SBT, sources_SBTD.astype(jnp.float32))
-        out_BTD = out_BTD + null_weight_BT[..., None] * null_D
+    if null_D is not None:
+        out_BTD = out_BTD + all_weights[S][..., None] * null_D
     if residual_BTD is not None:
         out_BTD = residual_BTD.astype(jnp.float32) + out_BTD
-    return out_BTD.astype(sources_SBTD.dtype), weights_SBT
+    return out_BTD.astype(dtype), weights_SBT
 
 
 def _mask_shape(valid, S: int):

@@ -1,0 +1,274 @@
+"""The TPU compiler's estimate of a train step's time, from compiles of shallow unrolled models.
+
+`compiled.cost_analysis()` of a TPU compile (a dict in jax 0.10) holds `optimal_seconds`, the
+compiler's own estimate of the program's run time on one device, beside `flops` and
+`bytes accessed` (per device). It is the compiler's cost model, NOT a measurement: no TPU
+runs anything, and the figure knows nothing of host input, launch overheads, or how well
+the real chip overlaps what the model assumes it overlaps. Use it to compare programs
+(residual modes against baseline), not as a promise of wall-clock time.
+
+The cost analysis counts the body of a loop once, whatever its trip count, so:
+
+- every layer scan must be unrolled (`config.model.scan_unroll=True`: nn.scan and the two
+  scans of the store-once depth pass);
+- the chunked loss (`config.model.loss_chunk`, a `lax.map` over chunks of the sequence,
+  forward and backward) is a loop that stays: its body is measured by one more compile with
+  half the chunk (the body's cost is linear in the chunk's tokens: b(c) = 2 (t(c) - t(c/2)))
+  and the missing G - 1 bodies are added (`loss_loop`; it does not depend on depth or mode);
+- `train.micro_batches` > 1 is a loop around the whole gradient: not corrected (refused).
+
+Unrolling a deep model makes compiles slow (36 unrolled layers take many minutes on a few
+cores), so the step is compiled at a few small depths, all else equal, and extrapolated.
+Baseline's cost is linear in depth: through two depths, t(L) = t(a) + (L - a)(t(b) - t(a))/(b - a)
+(`extrapolate`). A routed mode's per-layer cost grows with the source buffer, since every
+router reads (and the backward pass carries) all n_slots slots, masked: n_slots = 2L + 1 in
+the per-sublayer modes, n_blocks + 1 in block modes. So its cost is fitted as
+t = c0 + c1 L + c2 L S through three compiles (`extrapolate_slots`; for S = 2L + 1 the
+parabola in L) and evaluated at the model's L and S. A line through two depths misses the
+L x S term: on s220m (12 layers, v5p:2x2x1, batch 32 x 2048, remat full) by -9.3% for delta
+and -2.9% for delta_block, where the fit through 2, 4, 6 layers is within 2% of the full
+unroll (+1.5%, -1.8%; baseline's line +0.03%). Block modes are compiled with a small block size
+(`compile_plan`) so that the slot count varies across the compiles as it does with depth.
+
+`estimate_step_time(..., full=True)` compiles the whole unrolled model instead: the check of
+the extrapolation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from deltares.nn.config import BLOCK_MODES
+
+CAVEAT = ("the TPU compiler's cost model (cost_analysis optimal_seconds), not a measurement; "
+          "for comparing programs, not a wall-clock promise")
+FIGURES = ("seconds", "flops", "bytes_accessed")  # per device, as the compiler counts them
+_COST_KEYS = {"seconds": "optimal_seconds", "flops": "flops", "bytes_accessed": "bytes accessed"}
+
+
+def extrapolate(points: Mapping[int, float], n_layers: int) -> float:
+    """The value at `n_layers` of the polynomial through `points` ({layers: value}, degree
+    len(points) - 1): two points give t(a) + (L - a) (t(b) - t(a)) / (b - a), three the parabola."""
+    xs = sorted(points)
+    if len(xs) < 2:
+        raise ValueError(f"extrapolate needs at least two layer counts, got {xs}")
+    total = 0.0
+    for i, xi in enumerate(xs):  # Lagrange form
+        weight = 1.0
+        for j, xj in enumerate(xs):
+            if j != i:
+                weight *= (n_layers - xj) / (xi - xj)
+        total += weight * points[xi]
+    return total
+
+
+def extrapolate_slots(points: Mapping[tuple[int, int], float], n_layers: int, n_slots: int) -> float:
+    """The cost of a routed model of `n_layers` layers and `n_slots` source slots from compiles at
+    other (layers, slots) `points`, under t = c0 + c1 L + c2 L S: every layer does the same work
+    plus work in proportion to the buffer it reads and writes (every router reads all S slots,
+    masked). Three points: solved exactly (with S = 2L + 1, as in the per-sublayer modes, this is
+    the parabola in L through them); more: least squares; two: the line in L (S ignored)."""
+    import numpy as np
+
+    keys = sorted(points)
+    if len(keys) < 2 or len({L for L, _ in keys}) < 2:
+        raise ValueError(f"extrapolate_slots needs at least two layer counts, got {keys}")
+    if len(keys) == 2:
+        return extrapolate({L: points[(L, S)] for L, S in keys}, n_layers)
+    design = np.array([[1.0, L, L * S] for L, S in keys])
+    coef, *_ = np.linalg.lstsq(design, np.array([points[k] for k in keys]), rcond=None)
+    return float(coef @ np.array([1.0, n_layers, n_layers * n_slots]))
+
+
+def default_layers(model_cfg) -> tuple[int, ...]:
+    """Depths to compile: (2, 4) in baseline (its cost is linear in depth); (2, 4, 6) in the
+    routed modes, whose per-layer cost grows with the source buffer (`extrapolate_slots`)."""
+    return (2, 4) if model_cfg.residual.mode == "baseline" else (2, 4, 6)
+
+
+def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[int, int, int], ...]:
+    """(n_layers, block_layers, n_slots) of each shallow compile for `layers` (default
+    `default_layers`). Block modes are compiled with block_layers = min(block_layers, smallest
+    depth): kept when small (2 in s220m, so (2, 4, 6) are the deep model's own blocks), reduced
+    otherwise (s1044m's 6), so that the slot count grows across the compiles as it does with
+    depth; clamped to one block, 2 and 4 layers of block_layers 6 would both have 2 slots and
+    say nothing of the 7 slots every router of the 36-layer model reads."""
+    from deltares.nn.residual import make_plan
+
+    layers = tuple(int(n) for n in (layers if layers is not None else default_layers(model_cfg)))
+    if len(set(layers)) != len(layers) or min(layers) < 1:
+        raise ValueError(f"layers={layers}: distinct positive layer counts")
+    res = model_cfg.residual
+    block_layers = min(res.block_layers, min(layers)) if res.mode in BLOCK_MODES else res.block_layers
+    out = []
+    for n in sorted(layers):
+        bl = min(block_layers, n)
+        plan = make_plan(res.mode, n, bl, res.include_partial)
+        out.append((n, bl, plan.n_slots if plan.uses_sources else 0))
+    return tuple(out)
+
+
+def n_slots_of(model_cfg) -> int:
+    """Source slots of the model (0 in baseline)."""
+    from deltares.nn.residual import plan_for
+
+    plan = plan_for(model_cfg)
+    return plan.n_slots if plan.uses_sources else 0
+
+
+def _with(cfg, n_layers: int | None = None, loss_chunk: int | None = None, block_layers: int | None = None):
+    """A copy of `cfg` with every layer scan unrolled and, if given, another depth, block size or
+    loss chunk; block_layers is clamped to the depth (validate_model_config's rule)."""
+    out = copy.deepcopy(cfg)
+    out.model.scan_unroll = True
+    if block_layers is not None:
+        out.model.residual.block_layers = block_layers
+    if n_layers is not None:
+        out.model.n_layers = n_layers
+        out.model.residual.block_layers = min(out.model.residual.block_layers, n_layers)
+    if loss_chunk is not None:
+        out.model.loss_chunk = loss_chunk
+    return out
+
+
+def _loss_chunks(cfg) -> tuple[int, int]:
+    """(chunk, number of chunks) of the chunked loss; (0, 1) for the plain loss (no loop)."""
+    chunk, seq_len = cfg.model.loss_chunk, cfg.data.seq_len
+    if not chunk or chunk >= seq_len:
+        return 0, 1
+    return chunk, -(-seq_len // chunk)
+
+
+def compile_costs(cfg, mesh) -> dict:
+    """Compiles the train step of `cfg` (deltares.aot's: the real sharded step, state donated) for
+    `mesh` and returns the compiler's per-device figures: seconds (optimal_seconds), flops,
+    bytes_accessed; and compile_seconds, while_loops (loops left in the program)."""
+    from deltares.aot import _training
+
+    step, abstract_state, batch_sharding = _training(cfg, mesh)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding)
+    start = time.perf_counter()
+    compiled = step.lower(abstract_state, batch).compile()
+    seconds = time.perf_counter() - start
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out = {name: float(cost.get(key, math.nan)) for name, key in _COST_KEYS.items()}
+    out.update(compile_seconds=round(seconds, 1), while_loops=compiled.as_text().count(" while("))
+    return out
+
+
+def loss_loop_costs(cfg, mesh, costs_at_chunk: dict | None = None) -> dict | None:
+    """What the cost analysis misses of the chunked loss: with G chunks of c tokens it counts
+    one body b(c) of the loop, so the missing part is (G - 1) b(c), and b(c) = 2 (t(c) - t(c/2))
+    from one more compile with half the chunk (`costs_at_chunk`: the compile at chunk c, if
+    already had). None for the plain loss. Depth and mode do not enter the loss, so the figure
+    holds for any depth of `cfg`'s model."""
+    chunk, n_chunks = _loss_chunks(cfg)
+    if n_chunks == 1:
+        return None
+    if chunk < 2:
+        raise ValueError(f"config.model.loss_chunk={chunk}: too small to measure the loss loop")
+    full = costs_at_chunk or compile_costs(cfg, mesh)
+    half = compile_costs(_with(cfg, loss_chunk=chunk // 2), mesh)
+    out = loss_loop_from(full, half, chunk, n_chunks)
+    out["compile_seconds"] = half["compile_seconds"] + (0 if costs_at_chunk else full["compile_seconds"])
+    return out
+
+
+def loss_loop_from(at_chunk: dict, at_half_chunk: dict, chunk: int, n_chunks: int) -> dict:
+    """The loss loop's figures from compiles at chunk c and c/2 (each counts one body):
+    body b(c) = 2 (t(c) - t(c/2)); missing = (n_chunks - 1) b(c), to add to t(c)."""
+    body = {k: 2.0 * (at_chunk[k] - at_half_chunk[k]) for k in FIGURES}
+    return dict(chunk=chunk, chunks=n_chunks, body=body, missing={k: (n_chunks - 1) * v for k, v in body.items()})
+
+
+def _mesh(cfg, topology: str, mesh_override: str | None):
+    from deltares.aot import AotError, _mesh_config, topology_devices
+    from deltares.training.sharding import make_mesh
+
+    devices = topology_devices(topology)
+    try:
+        mesh = make_mesh(_mesh_config(cfg, mesh_override), devices)
+    except ValueError as err:
+        raise AotError(f"mesh for {len(devices)} devices of {topology}: {err}") from None
+    t, ways = cfg.train, mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    if t.global_batch % t.micro_batches or (t.global_batch // t.micro_batches) % ways:
+        raise AotError(f"config.train.global_batch={t.global_batch} does not split over data x fsdp = {ways} "
+                       f"devices of mesh {dict(mesh.shape)}; pass --config.train.global_batch or --mesh")
+    if t.micro_batches != 1:
+        raise AotError("the step-time estimate needs train.micro_batches=1 (the micro-batch loop is counted once)")
+    return mesh, devices
+
+
+def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, layers: Sequence[int] | None = None,
+                       full: bool = False, loss_loop: dict | None = None) -> dict:
+    """The TPU compiler's estimated time of one train step of `cfg` on `topology` (the mesh as
+    deltares.aot builds it: `mesh_override` 'DATA,FSDP,TENSOR', else config.mesh).
+
+    CAVEAT: the compiler's cost model (cost_analysis `optimal_seconds`), not a measurement.
+
+    Compiles the step, every layer scan unrolled, at the shallow depths of
+    `compile_plan(cfg.model, layers)` (default (2, 4) in baseline, (2, 4, 6) in the routed modes;
+    block modes at a small block size) and extrapolates to the model's depth and slot count
+    (`extrapolate_slots`; baseline: `extrapolate`, the line t(a) + (L - a)(t(b) - t(a))/(b - a));
+    `full=True` compiles the full unrolled model instead. The missed bodies of the chunked loss
+    loop are added (`loss_loop_costs`, measured at the smallest depth; or `loss_loop`, one
+    already measured for the same config and topology, e.g. with another mode: the loss does not
+    depend on the mode). Returns per device: `seconds`, `flops`, `bytes_accessed`;
+    `flops_per_step` (times the devices); `points` (each compile's figures, the loss loop not
+    corrected); `layers_compiled`, `block_layers_compiled`; `method`; `loss_loop`;
+    `compile_seconds` (all compiles); and what was estimated (mode, depth, topology, mesh,
+    batch, remat). Raises the compiler's error where a compile fails (e.g. out of HBM)."""
+    mesh, devices = _mesh(cfg, topology, mesh_override)
+    n_layers, n_slots = cfg.model.n_layers, n_slots_of(cfg.model)
+    shallow = compile_plan(cfg.model, layers)
+    specs = ((n_layers, cfg.model.residual.block_layers, n_slots),) if full else shallow
+    points = {(n, bl): compile_costs(_with(cfg, n_layers=n, block_layers=bl), mesh) for n, bl, _ in specs}
+    if loss_loop is not None or _loss_chunks(cfg)[1] == 1:
+        loss = loss_loop
+    else:  # measured on a shallow model: the loss does not depend on depth
+        n, bl, _ = shallow[0]
+        loss = loss_loop_costs(_with(cfg, n_layers=n, block_layers=bl), mesh, None if full else points[(n, bl)])
+    if full:
+        figures = {k: points[(n_layers, specs[0][1])][k] for k in FIGURES}
+        method = "full"
+    elif n_slots == 0:
+        figures = {k: extrapolate({n: points[(n, bl)][k] for n, bl, _ in specs}, n_layers) for k in FIGURES}
+        method = "linear" if len(specs) == 2 else f"polynomial degree {len(specs) - 1}"
+    else:
+        figures = {k: extrapolate_slots({(n, S): points[(n, bl)][k] for n, bl, S in specs}, n_layers, n_slots)
+                   for k in FIGURES}
+        method = "linear" if len(specs) == 2 else "layers and layers x slots"
+    if loss:
+        figures = {k: v + loss["missing"][k] for k, v in figures.items()}
+    compile_seconds = sum(p["compile_seconds"] for p in points.values())
+    if loss and loss_loop is None:
+        compile_seconds += loss["compile_seconds"]
+    return dict(
+        figures,
+        flops_per_step=figures["flops"] * len(devices),
+        mode=cfg.model.residual.mode,
+        n_layers=n_layers,
+        n_slots=n_slots,
+        block_layers=cfg.model.residual.block_layers,
+        topology=topology,
+        devices=len(devices),
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        global_batch=cfg.train.global_batch,
+        seq_len=cfg.data.seq_len,
+        remat=cfg.model.remat,
+        dtype=cfg.model.dtype,
+        method=method,
+        layers_compiled=[n for n, _, _ in specs],
+        block_layers_compiled=[bl for _, bl, _ in specs],
+        points={f"{n}/{bl}": p for (n, bl), p in points.items()},
+        loss_loop=loss,
+        compile_seconds=round(compile_seconds, 1),
+        caveat=CAVEAT,
+    )

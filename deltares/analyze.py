@@ -150,7 +150,7 @@ def make_weights_step(model: Transformer, with_final: bool, with_null: bool = Fa
     """(params, batch) -> per-token routing figures of every sublayer (and the output router):
     `sum_JS` weight summed over tokens per slot (a last extra slot holds the null source's weight,
     the rest of 1 after the real sources; zero without `with_null`), `max_JN` and `entropy_JN` per token."""
-    n_layers = model.config.n_layers
+    n_layers, n_slots = model.config.n_layers, plan_for(model.config).n_slots
 
     def step(params, tokens_BT):
         _, captured = model.apply(
@@ -171,7 +171,9 @@ def make_weights_step(model: Transformer, with_final: bool, with_null: bool = Fa
                 where = f"{outer}/{inner}" if inner else outer
                 raise AnalysisError(f"the model produced no routing weights for {where}; deltares.analyze does not "
                                     "know this model's layout")
-            weights.append(node["__call__"][0][1].astype(jnp.float32))
+            w_SBT = node["__call__"][0][1].astype(jnp.float32)
+            # unrolled routers see only the slots up to the last they read (deltares.nn.depth)
+            weights.append(jnp.pad(w_SBT, ((0, n_slots - w_SBT.shape[0]), (0, 0), (0, 0))))
         w_JSBT = jnp.stack(weights)
         null_JBT = jnp.clip(1.0 - w_JSBT.sum(axis=1), 0.0, 1.0) * with_null
         w_JSBT = jnp.concatenate([w_JSBT, null_JBT[:, None]], axis=1)

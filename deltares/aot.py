@@ -6,6 +6,8 @@ CPU-only machine.
         --config.model.remat=full --json
     python -m deltares.aot --config experiments/debug.py --topology v5e:2x2 --mesh 1,2,2
     python -m deltares.aot --config experiments/s533m.py:delta_block --gpu h100
+    python -m deltares.aot --config experiments/s220m.py:delta --topology v5p:2x2x1 \
+        --config.model.remat=full --estimate
 
 The train step is the one `deltares.train` runs (`deltares.training.state.sharded_train_step`:
 forward, backward, gradient clipping and the AdamW update, the state donated), lowered for
@@ -338,6 +340,9 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
         raise AotError(f"config: {err}") from None
     batch = jax.ShapeDtypeStruct((global_batch, seq_len + 1), jnp.int32, sharding=batch_sharding)
 
+    from deltares.training.memory import routing_floor_bytes
+
+    floor = routing_floor_bytes(cfg, mesh, modes=(cfg.model.residual.mode,))[cfg.model.residual.mode]
     report = dict(
         config=config_name,
         scale=cfg.scale,
@@ -355,6 +360,10 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
         params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state["params"])),
         hbm_bytes=hbm,
         hbm_source=hbm_source,
+        # what any implementation of this mode must hold beyond baseline (memory.routing_floor_bytes)
+        floor_bytes=floor["total_bytes"],
+        floor_sources_bytes=floor["sources_bytes"],
+        floor_live_slots=floor["live_slots"],
     )
 
     start = time.perf_counter()
@@ -417,11 +426,18 @@ def _gib(n) -> str:
     return f"{n} B"
 
 
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+
+
 def _count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
             return f"{n / size:,.1f}{unit}"
     return str(n)
+
+
+CAVEAT = "the TPU compiler's cost model, not a measurement"
 
 
 def format_report(r: dict) -> str:
@@ -455,6 +471,17 @@ def format_report(r: dict) -> str:
             f"the compiler ran out of HBM: {first}",
             f"per device: at least {_gib(r['per_device_bytes'])} of {hbm}",
         ]
+    if r.get("floor_live_slots"):
+        lines.append(f"  routing floor {_gib(r['floor_bytes']):>11}  beyond baseline: {r['floor_live_slots']} live source slots "
+                     f"({_gib(r['floor_sources_bytes'])}) and one cotangent buffer, in {r['dtype']}")
+    if "estimate" in r:
+        e = r["estimate"]
+        lines += [
+            "",
+            f"estimated step time: {_seconds(e['seconds'])} per step ({e['method']} from unrolled compiles at "
+            f"{e['layers_compiled']} layers; {_gib(e['bytes_accessed'])} accessed and {e['flops']:.3e} FLOPs "
+            f"per device); {CAVEAT}",
+        ]
     lines += [
         "",
         f"FLOPs per step: {r['flops_per_step']:.3e} ({r['flops_per_device']:.3e} per device; matrix products of the "
@@ -477,8 +504,16 @@ def main(argv):
         sys.exit(2)
     logging.set_verbosity(logging.WARNING)
     name = getattr(flags.FLAGS["config"], "config_filename", "")  # 'experiments/s7b6.py:delta_block'
+    if _ESTIMATE.value and _GPU.value:
+        print("error: --estimate is the TPU compiler's cost model: pass --topology, not --gpu", file=sys.stderr)
+        sys.exit(2)
     try:
         report = analyze(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name, gpu=_GPU.value)
+        if _ESTIMATE.value:
+            from deltares.training.step_time import estimate_step_time
+
+            print("estimating the step time: unrolled compiles at a few depths ...", file=sys.stderr, flush=True)
+            report["estimate"] = estimate_step_time(_CONFIG.value, _TOPOLOGY.value, _MESH.value)
     except AotError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -488,7 +523,7 @@ def main(argv):
 
 def cli() -> None:
     """The command line (`python -m deltares.aot`, `deltares-aot`); flags only here, so modules import side by side."""
-    global _CONFIG, _TOPOLOGY, _GPU, _MESH, _JSON
+    global _CONFIG, _TOPOLOGY, _GPU, _MESH, _JSON, _ESTIMATE
     _CONFIG = config_flags.DEFINE_config_file(
         "config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block (or a shipped one by name: s7b6:delta_block)."
     )
@@ -498,6 +533,9 @@ def cli() -> None:
         "mesh", None, "DATA,FSDP,TENSOR mesh sizes (one may be -1); default config.mesh, else fsdp over all devices."
     )
     _JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
+    _ESTIMATE = flags.DEFINE_bool(
+        "estimate", False, "Also the TPU compiler's estimate of the step time (deltares.training.step_time: unrolled "
+        "compiles at a few depths, extrapolated; a cost model, not a measurement).")
     if "JAX_PLATFORMS" not in os.environ:  # never touch TPU hardware: the step runs on compile-only devices
         jax.config.update("jax_platforms", "cpu")
     entry.run(main, quiet_libtpu=False)  # libtpu is set up as a compiler (topology_devices)

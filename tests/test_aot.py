@@ -59,6 +59,31 @@ def test_debug_config_fits_a_small_slice():
     # Counted FLOPs of the step agree with the 6N + attention estimate.
     assert r["flops_per_step"] == pytest.approx(r["model_flops_per_step"], rel=0.15)
     assert r["flops_per_device"] * r["devices"] == pytest.approx(r["flops_per_step"])
+    # The routing floor: 3 layers in blocks of 2 -> slots e, c_0, c_1, all read later; per device one
+    # row of 32 tokens x d=32 in float32 = 4 KiB a slot; the sources and one cotangent buffer.
+    assert r["floor_live_slots"] == 3
+    assert r["floor_sources_bytes"] == 3 * 32 * 32 * 4
+    assert r["floor_bytes"] == 2 * 3 * 32 * 32 * 4
+
+
+@needs_libtpu
+def test_estimate_reports_the_compilers_step_time():
+    proc = run_aot("--config", "experiments/debug.py:delta", "--topology", "v5p:2x2x1", "--config.model.remat=full",
+                   "--estimate", "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    e = report_of(proc)["estimate"]
+    assert e["mode"] == "delta" and e["n_layers"] == 3 and e["layers_compiled"] == [2, 4, 6]
+    assert e["seconds"] > 0 and e["flops"] > 0 and e["bytes_accessed"] > 0
+    # the compiled points themselves: deeper unrolled programs cost more
+    costs = [e["points"][f"{n}/{bl}"]["seconds"] for n, bl in zip(e["layers_compiled"], e["block_layers_compiled"])]
+    assert costs == sorted(costs) and costs[0] < costs[-1]
+
+
+def test_estimate_is_for_tpu_topologies_only():
+    proc = run_aot("--config", "experiments/debug.py", "--gpu", "h100", "--estimate")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: --estimate is the TPU compiler's cost model: pass --topology, not --gpu"]
 
 
 @needs_libtpu

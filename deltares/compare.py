@@ -142,21 +142,27 @@ def scale_label(s: dict) -> str:
     return f"{s['scale']} (d{s['d_model']}, L{s['n_layers']})"
 
 
+def paper_table(items: list[dict], scale_of, cell_of, name_of) -> list[str]:
+    """The paper's layout: rows scales (`scale_of(item)`), columns modes, cells `cell_of(item)`;
+    items sharing a cell are listed with their names (`name_of`)."""
+    modes = [m for m in PAPER_COLUMNS if any(i["mode"] == m for i in items)]
+    lines = ["| scale | " + " | ".join(PAPER_COLUMNS[m] for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for scale in dict.fromkeys(scale_of(i) for i in items):
+        cells = []
+        for mode in modes:
+            here = [i for i in items if scale_of(i) == scale and i["mode"] == mode]
+            if len(here) == 1:
+                cells.append(cell_of(here[0]))
+            else:
+                cells.append(" / ".join(f"{cell_of(i)} ({name_of(i)})" for i in here) or "-")
+        lines.append(f"| {scale} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(summaries: list[dict]) -> str:
     """The paper-style table (rows: scales, columns: modes, cells: validation perplexity; runs sharing a
     cell are listed with their names) and the per-run table."""
-    modes = [m for m in PAPER_COLUMNS if any(s["mode"] == m for s in summaries)]
-    scales = list(dict.fromkeys(scale_label(s) for s in summaries))
-    lines = ["| scale | " + " | ".join(PAPER_COLUMNS[m] for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
-    for scale in scales:
-        cells = []
-        for mode in modes:
-            here = [s for s in summaries if scale_label(s) == scale and s["mode"] == mode]
-            if len(here) == 1:
-                cells.append(_num(here[0]["val_ppl"], ".2f"))
-            else:
-                cells.append(" / ".join(f"{_num(s['val_ppl'], '.2f')} ({s['run']})" for s in here) or "-")
-        lines.append(f"| {scale} | " + " | ".join(cells) + " |")
+    lines = paper_table(summaries, scale_label, lambda s: _num(s["val_ppl"], ".2f"), lambda s: s["run"])
     lines += [
         "",
         "| run | mode | scale | step | tokens seen | val PPL | bits/byte | tokens/s | peak memory |",
@@ -382,18 +388,8 @@ def grouped_markdown(report: dict) -> str:
     table (n, standard error, difference against the baseline group and its significance), the
     excluded runs, and the per-run table."""
     groups = [g for g in report["groups"] if g["n"]]
-    modes = [m for m in PAPER_COLUMNS if any(g["mode"] == m for g in groups)]
-    scales = list(dict.fromkeys(g["scale_label"] for g in groups))
-    lines = ["| scale | " + " | ".join(PAPER_COLUMNS[m] for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
-    for scale in scales:
-        cells = []
-        for mode in modes:
-            here = [g for g in groups if g["scale_label"] == scale and g["mode"] == mode]
-            if len(here) == 1:
-                cells.append(_mean_std(here[0]["val_ppl"], ".2f"))
-            else:
-                cells.append(" / ".join(f"{_mean_std(g['val_ppl'], '.2f')} ({g['group']})" for g in here) or "-")
-        lines.append(f"| {scale} | " + " | ".join(cells) + " |")
+    lines = paper_table(groups, lambda g: g["scale_label"], lambda g: _mean_std(g["val_ppl"], ".2f"),
+                        lambda g: g["group"])
     lines += [
         "",
         "| group | mode | scale | n | val PPL (mean ± std) | SE | vs | Δ PPL | 2 SE of Δ | \\|Δ\\| > 2 SE | bits/byte |",

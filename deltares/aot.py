@@ -21,7 +21,7 @@ as JAX uses them), the others with one device per TensorCore as libtpu lays them
 
 `--gpu h100|h200` (instead of `--topology`) compiles for one such GPU with XLA's CUDA compiler,
 the PJRT plugin of JAX's CUDA build (`jax-cuda12-pjrt`; not in requirements.txt: see
-deltares/training/gpu_aot.py), for the GPU described in deltares/gpu_targets/. Pallas kernels
+deltares/training/gpu_aot.py), for the GPU described in deltares/training/gpu_targets/. Pallas kernels
 are Triton kernels there. The GPU compiler states no memory limit, so `hbm` is the device
 memory of the target config; JAX on a GPU preallocates 75% of it unless
 XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
@@ -54,11 +54,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
 from deltares import entry
+from deltares.training.compile_only import (  # noqa: F401 - re-exported: the tool's public names
+    EXAMPLE_TOPOLOGIES,
+    AotError,
+    mesh_config,
+    parse_topology,
+    topology_devices,
+    train_step,
+)
 from deltares.training.memory import compiled_bytes
 
 GIB = 2**30
@@ -78,75 +85,6 @@ NOMINAL_HBM_GIB = {
     "TPU v6e": 32,
     "TPU7x": 96,
 }
-MEGACORE_GENERATIONS = ("v4", "v5p", "v5")
-EXAMPLE_TOPOLOGIES = "v4:2x2x2, v5p:2x2x2, v5e:2x2, v5e:4x4, v6e:4x4, v6e:8x8"
-_TOPOLOGY_RE = re.compile(r"^([a-zA-Z0-9_ ]+):(\d+(?:x\d+){1,2})(_twisted|_untwisted)?$")
-
-
-class AotError(RuntimeError):
-    """A problem with the request (topology, config, mesh); the message says which."""
-
-
-# --------------------------------------------------------------------------- topology
-
-
-def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
-    """'v5p:2x2x2' -> ('v5p', (2, 2, 2)); raises AotError on anything else."""
-    match = _TOPOLOGY_RE.match(name.strip())
-    if not match:
-        raise AotError(
-            f"--topology={name!r} is not a TPU topology of the form GENERATION:AxB[xC], e.g. {EXAMPLE_TOPOLOGIES}"
-        )
-    dims = tuple(int(d) for d in match.group(2).split("x"))
-    if any(d < 1 for d in dims):
-        raise AotError(f"--topology={name!r}: every dimension must be at least 1")
-    return match.group(1).lower(), dims
-
-
-def _accelerator_type(generation: str, dims: tuple[int, ...]) -> str:
-    """The TPU_ACCELERATOR_TYPE a real slice of this shape reports (silences a libtpu warning)."""
-    chips = math.prod(dims)
-    if generation in ("v2", "v3", "v4", "v5p", "tpu7x"):
-        return f"{generation}-{chips * 2}"  # these count TensorCores
-    if generation == "v5e":
-        return f"v5litepod-{chips}"
-    if generation == "v6e":
-        return f"v6e-{chips}"
-    return ""
-
-
-def _libtpu_as_compiler(accelerator_type: str) -> None:
-    """libtpu is used only as a compiler here: skip the cloud metadata queries, name the slice
-    (silences a warning), and allow several compiling processes at once (libtpu otherwise takes
-    a machine-wide lock file). Set when aot needs libtpu, before libtpu initialises; values
-    already set are kept."""
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if accelerator_type:
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type)
-
-
-def topology_devices(name: str) -> list:
-    """Compile-only devices of the TPU topology `name` (no TPU needed)."""
-    generation, dims = parse_topology(name)
-    _libtpu_as_compiler(_accelerator_type(generation, dims))
-    from jax.experimental import topologies
-
-    kwargs = dict(
-        chip_config_name="megacore" if generation in MEGACORE_GENERATIONS else "default",
-        # a host holds 2x2 chips where the slice allows it, as on Cloud TPU VMs
-        chips_per_host_bounds=(2 if dims[0] % 2 == 0 else 1, 2 if dims[1] % 2 == 0 else 1, 1),
-    )
-    try:
-        return list(topologies.get_topology_desc(topology_name=name.strip(), platform="tpu", **kwargs).devices)
-    except RuntimeError as err:  # JaxRuntimeError from libtpu, or "JAX TPU support not installed"
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "not installed" in message:
-            message += " (pip install 'deltares[tpu]', or the libtpu pinned in requirements.txt)"
-        raise AotError(f"--topology={name!r}: {message}. Examples: {EXAMPLE_TOPOLOGIES}") from None
-
-
 # --------------------------------------------------------------------------- compiler figures
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
@@ -241,23 +179,6 @@ def jaxpr_flops(jaxpr) -> float:
 # --------------------------------------------------------------------------- the proof
 
 
-def _mesh_config(cfg, override: str | None) -> ml_collections.ConfigDict:
-    if override:
-        parts = [p.strip() for p in override.split(",")]
-        try:
-            sizes = [int(p) for p in parts]
-        except ValueError:
-            sizes = []
-        if len(sizes) != 3:
-            raise AotError(
-                f"--mesh={override!r}: expected three integers DATA,FSDP,TENSOR (one may be -1), e.g. 1,-1,1"
-            )
-        return ml_collections.ConfigDict(dict(zip(("data", "fsdp", "tensor"), sizes)))
-    if "mesh" in cfg and cfg.mesh is not None:
-        return cfg.mesh
-    return ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
-
-
 def _per_device_bytes(abstract_tree) -> int:
     """Bytes of one device's shards of a tree of ShapeDtypeStructs with shardings (the largest
     shard, where uneven)."""
@@ -266,17 +187,6 @@ def _per_device_bytes(abstract_tree) -> int:
         shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
         total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
     return total
-
-
-def _training(cfg, mesh):
-    """(step, abstract_state, batch_sharding) of deltares.training.sharding for `cfg` on `mesh`."""
-    from deltares.training.state import sharded_train_step
-
-    out = sharded_train_step(cfg, mesh)
-    if hasattr(out, "step"):
-        return out.step, out.abstract_state, out.batch_sharding
-    step, abstract_state, _, batch_sharding = out[:4]
-    return step, abstract_state, batch_sharding
 
 
 def _trace(step, *args):
@@ -309,7 +219,7 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
     from deltares.training.sharding import make_mesh
 
     devices = _gpu_devices(gpu) if gpu else topology_devices(topology)
-    mesh_cfg = _mesh_config(cfg, mesh_override)
+    mesh_cfg = mesh_config(cfg, mesh_override)
     try:
         mesh = make_mesh(mesh_cfg, devices)
     except ValueError as err:
@@ -335,7 +245,7 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
     else:
         hbm, hbm_source = hbm_of(device)
     try:
-        step, abstract_state, batch_sharding = _training(cfg, mesh)
+        step, abstract_state, batch_sharding = train_step(cfg, mesh)
     except ValueError as err:
         raise AotError(f"config: {err}") from None
     batch = jax.ShapeDtypeStruct((global_batch, seq_len + 1), jnp.int32, sharding=batch_sharding)
@@ -452,7 +362,7 @@ def format_report(r: dict) -> str:
         "",
     ]
     source = {"compiler": "as the compiler states it", "nominal": "nominal, the compiler's figure was not had",
-              "target_config": "the device memory of deltares/gpu_targets/"}
+              "target_config": "the device memory of deltares/training/gpu_targets/"}
     hbm = f"{_gib(r['hbm_bytes'])} HBM ({source.get(r['hbm_source'], r['hbm_source'])})"
     if "temp_bytes" in r:
         share = f", {100 * r['per_device_bytes'] / r['hbm_bytes']:.0f}%" if r["hbm_bytes"] else ""
@@ -528,7 +438,7 @@ def cli() -> None:
         "config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block (or a shipped one by name: s7b6:delta_block)."
     )
     _TOPOLOGY = flags.DEFINE_string("topology", None, f"TPU topology, e.g. {EXAMPLE_TOPOLOGIES}.")
-    _GPU = flags.DEFINE_string("gpu", None, "One NVIDIA GPU instead of a TPU topology: h100 or h200 (deltares/gpu_targets/).")
+    _GPU = flags.DEFINE_string("gpu", None, "One NVIDIA GPU instead of a TPU topology: h100 or h200 (deltares/training/gpu_targets/).")
     _MESH = flags.DEFINE_string(
         "mesh", None, "DATA,FSDP,TENSOR mesh sizes (one may be -1); default config.mesh, else fsdp over all devices."
     )

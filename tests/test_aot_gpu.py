@@ -106,7 +106,7 @@ def test_command_line_report_for_one_h200():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "gpu h200: 1 x NVIDIA H200 141GB HBM3e, mesh data=1 fsdp=1 tensor=1" in out
-    assert "of 141.00 GiB HBM (the device memory of deltares/gpu_targets/)" in out
+    assert "of 141.00 GiB HBM (the device memory of deltares/training/gpu_targets/)" in out
     for word in ("arguments", "outputs", "temporaries", "total", "FLOPs per step", "fits: yes"):
         assert word in out, word
     assert "Traceback" not in proc.stderr

@@ -2,7 +2,7 @@
 
 XLA's CUDA compiler is the PJRT plugin of JAX's CUDA build (the wheel `jax-cuda12-pjrt`, which
 `jax[cuda12]` installs). Given a description of the GPU, XLA's `GpuTargetConfigProto` in text
-format (shipped in `deltares/gpu_targets/NAME.txtpb`, one per supported GPU), it makes
+format (shipped in `deltares/training/gpu_targets/NAME.txtpb`, one per supported GPU), it makes
 compile-only devices (`jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`)
 and compiles for them on a CPU-only machine: GPU code, Triton (Pallas GPU) kernels included,
 and `compiled.memory_analysis()`.
@@ -25,8 +25,8 @@ import sys
 
 import jax
 
-TARGETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu_targets")
-GPUS = ("h100", "h200")  # deltares/gpu_targets/<name>.txtpb
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
+GPUS = ("h100", "h200")  # deltares/training/gpu_targets/<name>.txtpb
 COMPILER_ENV = "DELTARES_CUDA_COMPILER"
 
 
@@ -38,7 +38,7 @@ def target_config(name: str) -> str:
     """The GpuTargetConfigProto text of GPU `name` ("h100", "h200"); ValueError for another name."""
     key = name.strip().lower()
     if key not in GPUS:
-        raise ValueError(f"--gpu={name!r} is not a GPU of deltares/gpu_targets; choose one of {', '.join(GPUS)}")
+        raise ValueError(f"--gpu={name!r} is not a GPU of deltares/training/gpu_targets; choose one of {', '.join(GPUS)}")
     with open(os.path.join(TARGETS_DIR, f"{key}.txtpb"), encoding="utf-8") as f:
         return f.read()
 
@@ -47,7 +47,7 @@ def device_memory_bytes(name: str) -> int:
     """The GPU's memory as its target config states it (`device_memory_size`)."""
     match = re.search(r"^\s*device_memory_size:\s*(\d+)", target_config(name), re.M)
     if not match:
-        raise ValueError(f"deltares/gpu_targets/{name}.txtpb has no device_memory_size")
+        raise ValueError(f"deltares/training/gpu_targets/{name}.txtpb has no device_memory_size")
     return int(match.group(1))
 
 

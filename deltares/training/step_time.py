@@ -149,7 +149,7 @@ def compile_costs(cfg, mesh) -> dict:
     """Compiles the train step of `cfg` (deltares.aot's: the real sharded step, state donated) for
     `mesh` and returns the compiler's per-device figures: seconds (optimal_seconds), flops,
     bytes_accessed; and compile_seconds, while_loops (loops left in the program)."""
-    from deltares.aot import _training
+    from deltares.training.compile_only import train_step as _training
 
     step, abstract_state, batch_sharding = _training(cfg, mesh)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding)
@@ -189,7 +189,7 @@ def loss_loop_from(at_chunk: dict, at_half_chunk: dict, chunk: int, n_chunks: in
 
 
 def _mesh(cfg, topology: str, mesh_override: str | None):
-    from deltares.aot import AotError, _mesh_config, topology_devices
+    from deltares.training.compile_only import AotError, mesh_config as _mesh_config, topology_devices
     from deltares.training.sharding import make_mesh
 
     devices = topology_devices(topology)

@@ -223,13 +223,13 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
             j = 2 * layer + k
             slot = write[j]
             if block:
-                # the block's last write: c = h_{j+1} - h_block, read by later blocks
-                c_BTD = final.sources_SBTD[slot]
-                _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), c_BTD)
-                (d_c_inv,) = inv_vjp(d_inv[slot])
-                d_c = jnp.where(closes[j], d_sources[slot].astype(jnp.float32) + d_c_inv.astype(jnp.float32), 0)
-                d_h = d_h + d_c.astype(d_h.dtype)
-                d_block = d_block - d_c.astype(d_block.dtype)
+                if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
+                    # the block's last write: c = h_{j+1} - h_block, read by later blocks
+                    _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), final.sources_SBTD[slot])
+                    (d_c_inv,) = inv_vjp(d_inv[slot])
+                    d_c = jnp.where(closes[j], d_sources[slot].astype(jnp.float32) + d_c_inv, 0)
+                    d_h = d_h + d_c.astype(d_h.dtype)
+                    d_block = d_block - d_c.astype(d_block.dtype)
                 d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
             else:
                 d_v, d_v_inv = (d_h + d_sources[slot]).astype(h_in.dtype), d_inv[slot]
@@ -240,10 +240,10 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
             d_p, d_h_in, d_src, d_inv_k, d_block_k = vjp((d_v, d_v_inv))
             d_h, d_sources, d_inv = d_h + d_h_in, d_sources + d_src, d_inv + d_inv_k
             if block:
-                # h_block is h_j of the sublayer that opened the block
                 d_block = d_block + d_block_k.astype(d_block.dtype)
-                d_h = jnp.where(opens[j], d_h + d_block.astype(d_h.dtype), d_h)
-                d_block = jnp.where(opens[j], 0, d_block)
+                if k == 0:  # only an attention sublayer can open a block; h_block is its input h_j
+                    d_h = jnp.where(opens[j], d_h + d_block.astype(d_h.dtype), d_h)
+                    d_block = jnp.where(opens[j], 0, d_block)
             d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
         return (d_h, d_sources, d_inv, d_block), d_params_l
 

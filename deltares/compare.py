@@ -163,19 +163,27 @@ def markdown(summaries: list[dict]) -> str:
     """The paper-style table (rows: scales, columns: modes, cells: validation perplexity; runs sharing a
     cell are listed with their names) and the per-run table."""
     lines = paper_table(summaries, scale_label, lambda s: _num(s["val_ppl"], ".2f"), lambda s: s["run"])
-    lines += [
-        "",
+    return "\n".join(lines + [""] + run_table(summaries))
+
+
+def mode_label(item: dict) -> str:
+    """A run's or group's mode, with its block size in the block modes."""
+    return item["mode"] + (f", B={item['block_layers']}" if item["block_layers"] else "")
+
+
+def run_table(summaries: list[dict]) -> list[str]:
+    """The per-run table: one row per run."""
+    lines = [
         "| run | mode | scale | step | tokens seen | val PPL | bits/byte | tokens/s | peak memory |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
-        mode = s["mode"] + (f", B={s['block_layers']}" if s["block_layers"] else "")
         val = _num(s["val_ppl"], ".2f") + ("" if s["val_step"] in (None, s["step"]) else f" (step {s['val_step']})")
         lines.append(
-            f"| {s['run']} | {mode} | {scale_label(s)} | {s['step']} | {_tokens(s['tokens_seen'])} | {val} | "
+            f"| {s['run']} | {mode_label(s)} | {scale_label(s)} | {s['step']} | {_tokens(s['tokens_seen'])} | {val} | "
             f"{_num(s['val_bpb'], '.4f')} | {_num(s['tokens_per_s'], ',.0f')} | {_bytes(s['peak_bytes'])} |"
         )
-    return "\n".join(lines)
+    return lines
 
 
 # ----------------------------------------------------------------------------- groups of seeds
@@ -311,7 +319,7 @@ def group_runs(paths: list[str], seed_pattern: str = SEED_PATTERN, baseline: lis
             group=name, mode=first["mode"], scale=first["scale"], scale_label=scale_label(first),
             d_model=first["d_model"], n_layers=first["n_layers"], block_layers=first["block_layers"],
             steps=first["train_steps"], runs=[s["run"] for s in done], seeds=[s["seed"] for s in done],
-            excluded=[s["run"] for s, _ in members if s not in done], n=len(done),
+            excluded=[e["run"] for e in excluded if e["group"] == name], n=len(done),
             **{q: stats([s[q] for s in done]) for q in QUANTITIES},
             config=fields,
         ))
@@ -396,7 +404,7 @@ def grouped_markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
-        mode = g["mode"] + (f", B={g['block_layers']}" if g["block_layers"] else "")
+        mode = mode_label(g)
         d = g["vs_baseline"] and g["vs_baseline"]["val_ppl"]
         if d is not None and d["diff"] is None:
             d = None
@@ -411,8 +419,9 @@ def grouped_markdown(report: dict) -> str:
     if report["excluded"]:
         lines += ["", "Excluded (no final validation): " + "; ".join(
             f"{e['run']} ({e['reason']})" for e in report["excluded"]) + "."]
-    per_run = markdown(report["runs"]).split("\n\n", 1)[1] if report["runs"] else ""
-    return "\n".join(lines) + ("\n\n" + per_run if per_run else "")
+    if report["runs"]:
+        lines += [""] + run_table(report["runs"])
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- depth figure

@@ -233,6 +233,7 @@ def test_mixed_configs_and_bad_input(study, tmp_path):
     writer.close()
     report = group_runs([os.path.join(study, "delta_s0"), str(started)])
     assert report["excluded"] == [dict(run="delta_s2", workdir=str(started), group="delta", reason="no checkpoint yet")]
+    assert by_group(report)["delta"]["excluded"] == ["delta_s2"] and by_group(report)["delta"]["n"] == 1
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         group_runs([str(tmp_path / "empty")])

@@ -192,8 +192,6 @@ def _per_device_bytes(abstract_tree) -> int:
 def _trace(step, *args):
     """`jax.stages.Traced` of the sharded step: traced as `step.lower` traces it (in its mesh and
     the logical axis rules of deltares.training.sharding)."""
-    if hasattr(step, "trace"):
-        return step.trace(*args)
     import flax.linen as nn
 
     from deltares.training.sharding import LOGICAL_RULES
@@ -347,9 +345,6 @@ def _count(n: float) -> str:
     return str(n)
 
 
-CAVEAT = "the TPU compiler's cost model, not a measurement"
-
-
 def format_report(r: dict) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [
@@ -390,7 +385,7 @@ def format_report(r: dict) -> str:
             "",
             f"estimated step time: {_seconds(e['seconds'])} per step ({e['method']} from unrolled compiles at "
             f"{e['layers_compiled']} layers; {_gib(e['bytes_accessed'])} accessed and {e['flops']:.3e} FLOPs "
-            f"per device); {CAVEAT}",
+            f"per device); {e['caveat']}",
         ]
     lines += [
         "",

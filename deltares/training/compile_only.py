@@ -98,8 +98,5 @@ def train_step(cfg, mesh):
     """(step, abstract_state, batch_sharding) of deltares.training.sharding for `cfg` on `mesh`."""
     from deltares.training.state import sharded_train_step
 
-    out = sharded_train_step(cfg, mesh)
-    if hasattr(out, "step"):
-        return out.step, out.abstract_state, out.batch_sharding
-    step, abstract_state, _, batch_sharding = out[:4]
-    return step, abstract_state, batch_sharding
+    training = sharded_train_step(cfg, mesh)
+    return training.step, training.abstract_state, training.batch_sharding

@@ -149,9 +149,9 @@ def compile_costs(cfg, mesh) -> dict:
     """Compiles the train step of `cfg` (deltares.aot's: the real sharded step, state donated) for
     `mesh` and returns the compiler's per-device figures: seconds (optimal_seconds), flops,
     bytes_accessed; and compile_seconds, while_loops (loops left in the program)."""
-    from deltares.training.compile_only import train_step as _training
+    from deltares.training.compile_only import train_step
 
-    step, abstract_state, batch_sharding = _training(cfg, mesh)
+    step, abstract_state, batch_sharding = train_step(cfg, mesh)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding)
     start = time.perf_counter()
     compiled = step.lower(abstract_state, batch).compile()
@@ -207,7 +207,7 @@ def _mesh(cfg, topology: str, mesh_override: str | None):
 
 
 def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, layers: Sequence[int] | None = None,
-                       full: bool = False, loss_loop: dict | None = None) -> dict:
+                       full: bool = False) -> dict:
     """The TPU compiler's estimated time of one train step of `cfg` on `topology` (the mesh as
     deltares.aot builds it: `mesh_override` 'DATA,FSDP,TENSOR', else config.mesh).
 
@@ -218,9 +218,7 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     block modes at a small block size) and extrapolates to the model's depth and slot count
     (`extrapolate_slots`; baseline: `extrapolate`, the line t(a) + (L - a)(t(b) - t(a))/(b - a));
     `full=True` compiles the full unrolled model instead. The missed bodies of the chunked loss
-    loop are added (`loss_loop_costs`, measured at the smallest depth; or `loss_loop`, one
-    already measured for the same config and topology, e.g. with another mode: the loss does not
-    depend on the mode). Returns per device: `seconds`, `flops`, `bytes_accessed`;
+    loop are added (`loss_loop_costs`, measured at the smallest depth). Returns per device: `seconds`, `flops`, `bytes_accessed`;
     `flops_per_step` (times the devices); `points` (each compile's figures, the loss loop not
     corrected); `layers_compiled`, `block_layers_compiled`; `method`; `loss_loop`;
     `compile_seconds` (all compiles); and what was estimated (mode, depth, topology, mesh,
@@ -230,8 +228,8 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     shallow = compile_plan(cfg.model, layers)
     specs = ((n_layers, cfg.model.residual.block_layers, n_slots),) if full else shallow
     points = {(n, bl): compile_costs(_with(cfg, n_layers=n, block_layers=bl), mesh) for n, bl, _ in specs}
-    if loss_loop is not None or _loss_chunks(cfg)[1] == 1:
-        loss = loss_loop
+    if _loss_chunks(cfg)[1] == 1:
+        loss = None
     else:  # measured on a shallow model: the loss does not depend on depth
         n, bl, _ = shallow[0]
         loss = loss_loop_costs(_with(cfg, n_layers=n, block_layers=bl), mesh, None if full else points[(n, bl)])
@@ -248,7 +246,7 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     if loss:
         figures = {k: v + loss["missing"][k] for k, v in figures.items()}
     compile_seconds = sum(p["compile_seconds"] for p in points.values())
-    if loss and loss_loop is None:
+    if loss:
         compile_seconds += loss["compile_seconds"]
     return dict(
         figures,

@@ -1,23 +1,106 @@
 #!/usr/bin/env bash
-# Small-scale reproduction: all five residual modes (delta_block at two block sizes) on the
-# public-domain corpora, same tokenizer, data order, seed and steps. See README.md here.
-#   bash docs/reproduction/run.sh [RUNS_DIR] [STEPS]
+# The small-scale reproduction study (README.md here): every number in README.md comes from this.
+#   bash docs/reproduction/run.sh PART [RUNS_DIR]      PART: seeds blocks routing_lr depth long report all
+# Each part is resumable: a finished run is skipped (its final evaluation is reread), an interrupted
+# one continues from its last checkpoint. Budgets: minutes on a quiet 2-core CPU (2026-12-01).
+#   seeds       ~105 min  5 modes x 3 seeds, tiny (d256, 6 layers), 400 steps
+#   blocks       ~21 min  delta_block with 3 layers per block (block-size ablation), 3 seeds
+#   routing_lr   ~32 min  delta and delta_block with a 10x routing LR, 2 seeds (1x: the seeds part)
+#   depth       ~120 min  5 modes x 2 seeds at d128 with 24 layers, and with 6 layers
+#   long         ~70 min  baseline and delta_block to 2,000 steps, seed 0
+#   report        ~3 min  tables (results.md, groups.json), depth figure, routing statistics
+# Knobs (for a quick check): STEPS (400), LONG_STEPS (2000), SEEDS (0 1 2), MODES, CORPORA.
 set -euo pipefail
-RUNS=${1:-runs/repro}
-STEPS=${2:-400}
+PART=${1:?"usage: run.sh PART [RUNS_DIR]; PART: seeds blocks routing_lr depth long report all"}
+RUNS=${2:-runs/study}
+STEPS=${STEPS:-400}
+LONG_STEPS=${LONG_STEPS:-2000}
+read -r -a SEEDS <<< "${SEEDS:-0 1 2}"
+read -r -a MODES <<< "${MODES:-baseline full_attnres block_attnres delta delta_block}"
 CORPORA=${CORPORA:-../shared/corpora}
 DATA=$RUNS/data
-mkdir -p "$RUNS"
-if [ ! -f "$DATA/meta.json" ]; then
-  python -m deltares.data.prepare --source "$CORPORA/*.txt.gz" --tokenizer bpe:4096 --out "$DATA"
-fi
-for variant in baseline full_attnres block_attnres delta delta_block delta_block,block_layers=3; do
-  name=${variant/,block_layers=/_b}
-  python -m deltares.train --config "experiments/tiny.py:$variant" --workdir "$RUNS/$name" \
-    --config.data.dataset="$DATA" --config.train.steps="$STEPS" --config.train.eval_every=100 \
-    --config.train.checkpoint_every=100 --config.train.eval_batches=40 2>&1 | tail -n 3
-done
-python -m deltares.compare "$RUNS"/baseline "$RUNS"/full_attnres "$RUNS"/block_attnres "$RUNS"/delta \
-  "$RUNS"/delta_block "$RUNS"/delta_block_b3 --out docs/reproduction/results.md
-python -m deltares.analyze --workdir "$RUNS"/full_attnres --workdir "$RUNS"/block_attnres --workdir "$RUNS"/delta \
-  --workdir "$RUNS"/delta_block --workdir "$RUNS"/delta_block_b3 --workdir "$RUNS"/baseline --out docs/reproduction/figures
+OUT=${OUT:-docs/reproduction}
+
+prepare() {
+  mkdir -p "$RUNS"
+  if [ ! -f "$DATA/meta.json" ]; then
+    python -m deltares.data.prepare --source "$CORPORA/*.txt.gz" --tokenizer bpe:4096 --out "$DATA"
+  fi
+}
+
+# train CONFIG:ARG WORKDIR STEPS [overrides...]
+train() {
+  local config=$1 workdir=$2 steps=$3
+  shift 3
+  echo "== $workdir ($config, $steps steps, $(date -u +%H:%M:%S))"
+  python -m deltares.train --config "$config" --workdir "$workdir" \
+    --config.data.dataset="$DATA" --config.train.steps="$steps" --config.train.eval_every=100 \
+    --config.train.checkpoint_every=100 --config.train.eval_batches=40 "$@" 2>&1 | tail -n 2
+}
+
+seeds() {
+  for seed in "${SEEDS[@]}"; do
+    for mode in "${MODES[@]}"; do
+      train "experiments/tiny.py:$mode" "$RUNS/tiny/${mode}_s$seed" "$STEPS" --config.seed="$seed"
+    done
+  done
+}
+
+blocks() {
+  for seed in "${SEEDS[@]}"; do
+    train experiments/tiny.py:delta_block,block_layers=3 "$RUNS/tiny/delta_block_b3_s$seed" "$STEPS" --config.seed="$seed"
+  done
+}
+
+# the modes of MODES among $*
+among() { for mode in "$@"; do [[ " ${MODES[*]} " == *" $mode "* ]] && echo "$mode"; done; true; }
+
+routing_lr() {
+  for seed in "${SEEDS[@]:0:2}"; do
+    for mode in $(among delta delta_block); do
+      train "experiments/tiny.py:$mode" "$RUNS/tiny/${mode}_lr10x_s$seed" "$STEPS" --config.seed="$seed" \
+        --config.optim.routing_lr=0.03
+    done
+  done
+}
+
+depth() {
+  for seed in "${SEEDS[@]:0:2}"; do
+    for mode in "${MODES[@]}"; do
+      train "experiments/tiny_deep.py:$mode" "$RUNS/deep/${mode}_L24_s$seed" "$STEPS" --config.seed="$seed"
+      train "experiments/tiny_deep.py:$mode,block_layers=2" "$RUNS/deep/${mode}_L6_s$seed" "$STEPS" \
+        --config.seed="$seed" --config.model.n_layers=6
+    done
+  done
+}
+
+long() {
+  for mode in $(among baseline delta_block); do
+    train "experiments/tiny.py:$mode" "$RUNS/long/${mode}_s0" "$LONG_STEPS" --config.seed=0
+  done
+}
+
+report() {
+  mkdir -p "$OUT/figures"
+  python -m deltares.compare "$RUNS"/tiny/* --group --out "$OUT/results.md" --json "$OUT/groups.json"
+  python -m deltares.compare "$RUNS"/deep/* --group --out "$OUT/depth.md" --json "$OUT/depth.json" \
+    --depth_figure "$OUT/figures/depth_ppl.png"
+  if compgen -G "$RUNS/long/*" > /dev/null; then
+    python -m deltares.compare "$RUNS"/long/* --out "$OUT/long.md"
+  fi
+  local tiny=() deep=()
+  for mode in "${MODES[@]}"; do
+    tiny+=(--workdir "$RUNS/tiny/${mode}_s0")
+    deep+=(--workdir "$RUNS/deep/${mode}_L24_s0" --workdir "$RUNS/deep/${mode}_L6_s0")
+  done
+  [[ " ${MODES[*]} " == *" delta_block "* ]] && tiny+=(--workdir "$RUNS/tiny/delta_block_b3_s0")
+  python -m deltares.analyze "${tiny[@]}" --out "$OUT/figures"
+  python -m deltares.analyze "${deep[@]}" --out "$OUT/figures/deep"
+}
+
+prepare
+case $PART in
+  seeds | blocks | routing_lr | depth | long | report) "$PART" ;;
+  all) seeds; blocks; routing_lr; depth; long; report ;;
+  *) echo "run.sh: unknown part '$PART'; expected seeds blocks routing_lr depth long report all" >&2; exit 2 ;;
+esac

@@ -155,7 +155,7 @@ class DepthRouter(nn.Module):
     eps: float = routing.NORM_EPS
 
     @nn.compact
-    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
+    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         if self.gate and residual_BTD is None:
             raise ValueError("a routing gate needs additive routing (a residual)")
         D = sources_SBTD[0].shape[-1]  # an array [S, B, T, D] or S arrays [B, T, D]
@@ -163,7 +163,7 @@ class DepthRouter(nn.Module):
                                    router_param_shape(name, D), jnp.float32)
                   for name in router_param_names(self.gate, self.null_source)}
         return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
-                            interpret=self.interpret, eps=self.eps)
+                            interpret=self.interpret, eps=self.eps, prefix=prefix)
 
 
 # A router's parameters (float32): name -> (initialiser, logical axis names); shape [D], the gate [1].
@@ -191,24 +191,29 @@ def init_router_params(d_model: int, gate: bool = False, null_source: bool = Fal
 
 
 def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *, impl: str = "xla",
-                 interpret: bool = False, eps: float = routing.NORM_EPS):
+                 interpret: bool = False, eps: float = routing.NORM_EPS, prefix=None):
     """A router's math on its parameters (`query`, `gain`, optionally `null_source`, `gate`: see
     DepthRouter, ROUTER_AXES); shared by the linen and NNX DepthRouter and plain parameter dicts.
-    Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel."""
+    Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel.
+    `prefix` (two-phase routing, XLA only): the routing over earlier sources, `routing.route_normalized`."""
     query, gain, null, gate = params["query"], params["gain"], params.get("null_source"), params.get("gate")
     if gate is not None and residual_BTD is None:
         raise ValueError("a routing gate needs additive routing (a residual)")
     inner_residual = residual_BTD if gate is None else None
     if impl == "xla":
-        route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null, eps)
+        route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null, eps,
+                                           prefix)
     else:
+        if prefix is not None:
+            raise ValueError("the Pallas kernel has no two-phase merge; route with a prefix with impl='xla'")
         if null is not None:
             raise ValueError("the Pallas kernel has no null source; use impl='xla' with a null source")
         route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual, impl, interpret,
                                               eps), None
     if gate is None:
         return route_BTD, weights_SBT
-    out_BTD = residual_BTD.astype(jnp.float32) + gate[0] * route_BTD.astype(jnp.float32)
+    acc = routing.accumulation_dtype(route_BTD.dtype)
+    out_BTD = residual_BTD.astype(acc) + gate[0].astype(acc) * route_BTD.astype(acc)
     return out_BTD.astype(sources_SBTD[0].dtype), weights_SBT
 
 
@@ -230,29 +235,57 @@ def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
 SOURCES_AXES = ("sources", "batch", "length", "act_embed")  # the depth-source buffer [S, B, T, D]
 
 
+def _d_split(shape):
+    """The mesh's shard_map spec of a buffer [S, B, T, D] of `shape` when the logical rules split its
+    model dimension, else None (route on whole arrays)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sbtd = None if mesh.empty else shard_spec(mesh, SOURCES_AXES, shape)
+    return None if sbtd is None or sbtd[3] is None else (mesh, sbtd)
+
+
 def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=None, null_D=None,
-              eps: float = routing.NORM_EPS):
+              eps: float = routing.NORM_EPS, prefix=None):
     """`routing.route_normalized`; where the logical rules split the buffer's model dimension
     (`act_embed`) over mesh axes, it runs inside `jax.shard_map` on each device's slice of D:
     partial logits, `psum` over those axes, then local softmax and weighted sum, so the source
     buffer is never gathered. Batch and model axes come from `shard_spec`. Sources (and their
-    1/rms) may be a sequence of arrays (`routing.route_normalized`)."""
-    mesh = jax.sharding.get_abstract_mesh()
+    1/rms) may be a sequence of arrays (`routing.route_normalized`), and `prefix` the (out, lse)
+    of a two-phase routing's first phase (`xla_route_prefix`)."""
     listed = isinstance(sources_SBTD, (tuple, list))
-    args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D)
-    shape = (len(sources_SBTD),) + sources_SBTD[0].shape if listed else sources_SBTD.shape
-    sbtd = None if mesh.empty else shard_spec(mesh, SOURCES_AXES, shape)
-    if sbtd is None or sbtd[3] is None:
-        return routing.route_normalized(*args, eps=eps)
+    args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D, prefix)
+    split = _d_split((len(sources_SBTD),) + sources_SBTD[0].shape if listed else sources_SBTD.shape)
+    if split is None:
+        return routing.route_normalized(*args[:-1], eps=eps, prefix=prefix)
+    mesh, sbtd = split
     P = jax.sharding.PartitionSpec
     batch, model_axes = sbtd[1], sbtd[3]
-    sbt, btd, d = P(None, batch, None), P(batch, None, model_axes), P(model_axes)
+    sbt, btd, d, bt = P(None, batch, None), P(batch, None, model_axes), P(model_axes), P(batch, None)
+    prefix_spec = P() if prefix is None else (btd, bt)
     if listed:
-        specs = (tuple(btd for _ in sources_SBTD), tuple(P(batch, None) for _ in sources_SBTD), P(), d, d, btd, d)
+        specs = (tuple(btd for _ in sources_SBTD), tuple(bt for _ in sources_SBTD), P(), d, d, btd, d, prefix_spec)
     else:
-        specs = (sbtd, sbt, P(), d, d, btd, d)
-    route = functools.partial(routing.route_normalized, model_axis=model_axes, eps=eps)
+        specs = (sbtd, sbt, P(), d, d, btd, d, prefix_spec)
+
+    def route(*args):
+        return routing.route_normalized(*args[:-1], model_axis=model_axes, eps=eps, prefix=args[-1])
+
     return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*args)
+
+
+def xla_route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD):
+    """`routing.route_prefix` (phase one of two-phase routing: K queries, one read of the buffer),
+    on each device's slice of D inside `jax.shard_map` where the logical rules split it (`xla_route`)."""
+    split = _d_split(sources_SBTD.shape)
+    args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_KS, bool), query_KD, gain_KD)
+    if split is None:
+        return routing.route_prefix(*args)
+    mesh, sbtd = split
+    P = jax.sharding.PartitionSpec
+    batch, model_axes = sbtd[1], sbtd[3]
+    kd, kbt = P(None, model_axes), P(None, batch, None)
+    specs = (sbtd, kbt, P(), kd, kd)
+    route = functools.partial(routing.route_prefix, model_axis=model_axes)
+    return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(P(None, batch, None, model_axes), kbt))(*args)
 
 
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,

@@ -32,7 +32,7 @@ class DepthRouter(nnx.Module):
             value = init(None, router_param_shape(name, d_model), jnp.float32)
             setattr(self, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
 
-    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
+    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         params = {name: getattr(self, name)[...] for name in self.param_names}
         return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
-                            interpret=self.interpret, eps=self.eps)
+                            interpret=self.interpret, eps=self.eps, prefix=prefix)

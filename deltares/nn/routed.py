@@ -145,8 +145,8 @@ class _ParamRouter:
     params: Mapping
     eps: float
 
-    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None):
-        return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.eps)
+    def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
+        return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.eps, prefix=prefix)
 
 
 def _has_null(router) -> bool:

@@ -24,7 +24,8 @@ A kernel that cannot run (another platform without interpret=True, or shapes it 
 falls back to xla with a one-time warning. Under `jax.jit` with sharded inputs a Pallas call
 is not partitioned by XLA: call it inside `jax.shard_map` (tokens split, D whole).
 
-Two-phase routing (Kimi, not implemented here): pseudo-queries do not depend on the input, so
+Two-phase routing (Kimi; built in XLA as `deltares.nn.routing.route_prefix` and the merge of
+`route_normalized(prefix=)`, not yet as a kernel here): pseudo-queries do not depend on the input, so
 for the K sublayers of a block the logits against the sources completed before the block are
 one [K, D] x [S, tokens, D] product, and their K online softmaxes one pass over those sources
 (K accumulators per tile, K lse). Each sublayer then merges that partial result with its

@@ -69,6 +69,10 @@ MODEL_FIELDS = (
     Field("residual.mode", "delta_block", str, MODES, "residual scheme (DESIGN.md section 3)"),
     Field("residual.block_layers", 4, int, POSITIVE, "layers per block of the block modes; at most n_layers"),
     Field("residual.include_partial", True, bool, None, "route over the current block's partial sum too"),
+    Field("residual.group_layers", 0, int, NON_NEGATIVE, "two-phase grouped routing in the store-once scan (scanned "
+          "layers, remat, impl xla; same math): the sources completed before each group of this many layers (at "
+          "most: a divisor of block_layers in block modes, of n_layers otherwise) are routed in one pass for all "
+          "its sublayers; 0 (default, the faster and smaller program under XLA, see README): one pass per sublayer"),
     Field("residual.impl", "xla", str, ROUTING_IMPLS, "depth routing: xla, or the fused Pallas kernel (pallas: the "
           "target platform's; no routing weights, no null source)"),
     Field("residual.interpret", False, bool, None, "run the Pallas kernel in interpret mode (CPU tests)"),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from deltares.nn import routing
 from deltares.nn.config import dtype_of
-from deltares.nn.depth import DepthState, add_delta, sublayer_input
+from deltares.nn.depth import DepthState, Prefix, add_delta, sublayer_input, sublayer_prefix
 from deltares.nn.layers import MLP, Attention, DepthRouter, RMSNorm
 from deltares.nn.residual import ResidualPlan, plan_for
 
@@ -49,9 +49,10 @@ class DecoderLayer(nn.Module):
     config: Any
     return_stats: bool = False
 
-    def _delta(self, j, state: DepthState, plan: ResidualPlan, router: str, body, final: bool = False):
-        """Sublayer j's delta v_j = f_j(norm(x_j)) on `state` (`final`: holding the final buffer,
-        deltares.nn.depth.sublayer_input), and its routing stats."""
+    def _delta(self, j, state: DepthState, plan: ResidualPlan, router: str, body, final: bool = False,
+               prefix: Prefix | None = None):
+        """Sublayer j's delta v_j = f_j(norm(x_j)) on `state` (`final`: holding the final buffer;
+        `prefix`: two-phase routing; deltares.nn.depth.sublayer_input), and its routing stats."""
         cfg = self.config
         norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
         if plan.uses_sources:
@@ -59,7 +60,10 @@ class DecoderLayer(nn.Module):
             impl = "xla" if self.return_stats else res.impl  # statistics need the weights
             router_module = DepthRouter(res.gate, res.null_source, impl, res.interpret, cfg.norm_eps,
                                         name=f"{router}_router")
-            x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.null_source, cfg.norm_eps, final)
+            x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.null_source, cfg.norm_eps,
+                                                        final, prefix)
+            if prefix is not None and self.return_stats:
+                raise ValueError("routing statistics need the whole weights: call without a prefix")
             stats = routing_stats(weights_SBT, routed) if self.return_stats else None
         else:
             x_BTD, stats = state.h_BTD, (empty_stats(plan.n_slots) if self.return_stats else None)
@@ -70,11 +74,12 @@ class DecoderLayer(nn.Module):
         return add_delta(plan, state, j, v_BTD, self.config.norm_eps)
 
     @nn.compact
-    def __call__(self, state: DepthState, layer, cos_TE, sin_TE, cache=None, pos=None, only=None):
+    def __call__(self, state: DepthState, layer, cos_TE, sin_TE, cache=None, pos=None, only=None, prefix=None):
         """Returns (state, stats); with an attention `cache` (decoding, see Attention),
         (state, (stats, new cache)). With `only` (0: attention, 1: MLP), runs that sublayer
         alone on `state`, which holds the final source buffer, and returns its delta and the delta's
-        1/rms, writing nothing (the store-once backward, deltares.nn.depth)."""
+        1/rms, writing nothing (the store-once backward, deltares.nn.depth). `prefix`: the layer's
+        two-phase routing `Prefix` (deltares.nn.depth.depth_scan with `queries_fn`)."""
         cfg = self.config
         plan = plan_for(cfg)
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
@@ -91,11 +96,12 @@ class DecoderLayer(nn.Module):
 
         sublayers = (("attn", attend), ("mlp", mlp))
         if only is not None:
-            v_BTD, _ = self._delta(2 * layer + only, state, plan, *sublayers[only], final=True)
+            v_BTD, _ = self._delta(2 * layer + only, state, plan, *sublayers[only], final=True,
+                                   prefix=sublayer_prefix(prefix, only))
             return v_BTD, routing.inv_rms(v_BTD, cfg.norm_eps)
         per_sublayer = []
         for k, (router, body) in enumerate(sublayers):
-            v_BTD, stats = self._delta(2 * layer + k, state, plan, router, body)
+            v_BTD, stats = self._delta(2 * layer + k, state, plan, router, body, prefix=sublayer_prefix(prefix, k))
             state = self._write(2 * layer + k, state, v_BTD, plan)
             per_sublayer.append(stats)
         stats = jax.tree.map(lambda a, b: jnp.stack([a, b]), *per_sublayer) if self.return_stats else None

@@ -31,6 +31,17 @@ STREAM_AXES = ("batch", "length", "act_embed")  # logical names of the stream an
 SOURCES_AXES = ("sources",) + STREAM_AXES
 
 
+class Prefix(NamedTuple):
+    """Two-phase routing: one sublayer's routing over the slots completed before its group
+    (`routing.route_prefix`: out, lse) and, in the per-sublayer modes, the group's window of
+    slots as the backward pass reads them (None: read from the state)."""
+
+    out_BTD: jax.Array
+    lse_BT: jax.Array
+    window_SBTD: jax.Array | None = None
+    window_inv_SBT: jax.Array | None = None
+
+
 class DepthState(NamedTuple):
     h_BTD: jax.Array  # additive stream e + sum of deltas so far
     sources_SBTD: jax.Array | tuple | None  # source buffer [S, B, T, D], or the slots so far (None in baseline)
@@ -83,8 +94,34 @@ def routing_sources(plan: ResidualPlan, state: DepthState, j, eps: float = routi
     return sources, inv
 
 
+def _window_start(plan: ResidualPlan, j):
+    """Per-sublayer modes: the first slot written inside sublayer j's group."""
+    return (j // (2 * plan.group_layers)) * 2 * plan.group_layers + 1
+
+
+def group_window(plan: ResidualPlan, state: DepthState, first_layer):
+    """Per-sublayer modes: the 2G - 1 slots a group starting at `first_layer` writes and reads
+    inside itself (the last delta of a group is read by later groups only), and their 1/rms."""
+    start, size = 2 * first_layer + 1, 2 * plan.group_layers - 1
+    return (jax.lax.dynamic_slice_in_dim(state.sources_SBTD, start, size),
+            jax.lax.dynamic_slice_in_dim(state.inv_rms_SBT, start, size))
+
+
+def _intra_sources(plan: ResidualPlan, state: DepthState, j, prefix: Prefix, eps: float):
+    """Sublayer j's sources written inside its group (two-phase routing): (sources, 1/rms, valid).
+    Block modes: the partial, read from the stream; per-sublayer modes: the group's window
+    (from `prefix`, else the state), valid up to j's own slot."""
+    if plan.mode in BLOCK_MODES:
+        p_BTD, p_inv_BT = _block_partial(state, state.sources_SBTD.dtype, eps)
+        return p_BTD[None], p_inv_BT[None], jnp.asarray(plan.intra_read.any(axis=1))[j][None]
+    window, window_inv = prefix.window_SBTD, prefix.window_inv_SBT
+    if window is None:
+        window, window_inv = group_window(plan, state, _window_start(plan, j) // 2)
+    return window, window_inv, jnp.arange(window.shape[0]) < j + 1 - _window_start(plan, j)
+
+
 def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source: bool = False,
-                   eps: float = routing.NORM_EPS, final: bool = False):
+                   eps: float = routing.NORM_EPS, final: bool = False, prefix: Prefix | None = None):
     """Sublayer j's input x_j (DESIGN.md section 3) and its routing: returns (x_BTD, weights_SBT or
     None, routed). `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
     (linen or NNX) or `apply_router` on parameters; `j` may be traced (a scanned layer).
@@ -94,12 +131,19 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         x_j = h_j + route(S_j)     additive modes (Delta)
 
     A null source is one more source: with it every sublayer routes. `eps` is the norm's epsilon
-    of the cached 1/rms; `final`: the state holds the final buffer (`routing_sources`)."""
+    of the cached 1/rms; `final`: the state holds the final buffer (`routing_sources`).
+    `prefix` (two-phase routing, a scanned buffer): the routing over the slots before j's group,
+    merged with j's intra-group sources; the weights then cover those sources only."""
     if not plan.uses_sources:
         return state.h_BTD, None, jnp.asarray(False)
-    _check_listed(state, j)
+    if _check_listed(state, j) and prefix is not None:
+        raise TypeError("two-phase routing (prefix) reads a scanned source buffer, not a tuple of sources")
     routed = jnp.asarray(plan.routed | null_source)[j]
     residual = None if plan.replaces_stream else state.h_BTD
+    if prefix is not None:
+        sources, inv, valid = _intra_sources(plan, state, j, prefix, eps)
+        x_BTD, weights_SBT = router(sources, inv, valid, residual, prefix=(prefix.out_BTD, prefix.lse_BT))
+        return (x_BTD if residual is None else jnp.where(routed, x_BTD, state.h_BTD)), weights_SBT, routed
     sources, inv = routing_sources(plan, state, j, eps, final)
     if isinstance(j, int):  # unrolled (listed or not): only the slots up to the last one j reads
         n = int(plan.read[j].nonzero()[0].max()) + 1
@@ -153,16 +197,25 @@ def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
 
 
 def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan, unroll: bool = False,
-               eps: float = routing.NORM_EPS):
+               eps: float = routing.NORM_EPS, queries_fn: Callable | None = None):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
     `params_L`; returns (final state, stacked stats). Differentiable in params and state.
 
     The backward pass (`_sublayer_backward`) differentiates sublayer by sublayer over the final
     buffer with `layer_fn(params_l, state, l, only=k) -> (v, 1/rms(v))` (sublayer k of layer l
-    alone on a state holding the final buffer, `sublayer_input(..., final=True)`, writing nothing). Per layer, the forward pass saves only its input stream.
-    `unroll` unrolls both scans (the same program without loops); `eps` is the 1/rms epsilon."""
+    alone on a state holding the final buffer, `sublayer_input(..., final=True)`, writing nothing).
+    Per layer, the forward pass saves only its input stream.
+    `unroll` unrolls both scans (the same program without loops); `eps` is the 1/rms epsilon.
+
+    With `queries_fn(params_l) -> (query [2, D], gain [2, D])` (the layer's two routers), routing
+    is two-phase over groups of `plan.group_layers` layers (`_grouped_forward`): `layer_fn` is then
+    also called with `prefix=` a `Prefix` of the layer's two sublayers (leading axis 2)."""
 
     def forward(params_L, state):
+        if queries_fn is not None:
+            final, stats, h_L = _grouped_forward(layer_fn, queries_fn, params_L, state, plan, unroll)
+            return (final, stats), (params_L, h_L, final)
+
         def body(state, xs):
             params_l, layer = xs
             h_l = state.h_BTD
@@ -175,6 +228,8 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     def backward(residuals, cotangents):
         params_L, h_L, final = residuals
         d_final, _ = cotangents  # statistics carry no gradient
+        if queries_fn is not None:
+            return _grouped_backward(layer_fn, queries_fn, params_L, h_L, final, d_final, plan, unroll, eps)
         return _sublayer_backward(layer_fn, params_L, h_L, final, d_final, plan, unroll, eps)
 
     @jax.custom_vjp
@@ -251,9 +306,182 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
     carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT, d_block0)
     xs = (params_L, jnp.arange(plan.n_layers), h_L)
     (d_h, d_sources, d_inv, d_block), d_params = jax.lax.scan(body, carry, xs, reverse=True, unroll=unroll)
-    # Every slot but 0 (the embedding) is overwritten: the initial buffer's values there do not
-    # reach the output.
+    return d_params, _initial_cotangent(plan, d_h, d_sources, d_inv, d_block, d_final.sources_SBTD.dtype)
+
+
+def _initial_cotangent(plan: ResidualPlan, d_h, d_sources, d_inv, d_block, dtype) -> DepthState:
+    """The initial state's cotangent. Every slot but 0 (the embedding) is overwritten: the initial
+    buffer's values there do not reach the output."""
     first = (jnp.arange(plan.n_slots) == 0)
-    d_sources = jnp.where(first[:, None, None, None], d_sources, 0).astype(d_final.sources_SBTD.dtype)
+    d_sources = jnp.where(first[:, None, None, None], d_sources, 0).astype(dtype)
     d_inv = jnp.where(first[:, None, None], d_inv, 0)
-    return d_params, DepthState(d_h, d_sources, d_inv, d_block)
+    return DepthState(d_h, d_sources, d_inv, d_block)
+
+
+# ----------------------------------------------------------------------------- two-phase grouped routing
+
+def sublayer_prefix(prefix: Prefix | None, k: int) -> Prefix | None:
+    """Sublayer k's part of a layer's `Prefix` (out and lse have a leading axis of 2)."""
+    if prefix is None:
+        return None
+    return prefix._replace(out_BTD=prefix.out_BTD[k], lse_BT=prefix.lse_BT[k])
+
+
+def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: ResidualPlan, first_layer, n: int):
+    """Phase one for the n layers from `first_layer`: their 2n queries over the slots completed
+    before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
+    from deltares.nn.layers import xla_route_prefix  # noqa: PLC0415 - layers imports the routing math only
+
+    query_N2D, gain_N2D = jax.vmap(queries_fn)(params_G)
+    D = query_N2D.shape[-1]
+    valid_KS = jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
+    return xla_route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_N2D.reshape(2 * n, D),
+                            gain_N2D.reshape(2 * n, D))
+
+
+def _groups(plan: ResidualPlan, params_L):
+    """The full groups' parameters [n_groups, G, ...] with their first layers, and the remainder's
+    (the last block of a block mode may be shorter): (params, firsts, params_rest or None)."""
+    G = plan.group_layers
+    n_groups, rest = divmod(plan.n_layers, G)
+    full = jax.tree.map(lambda a: a[: n_groups * G].reshape((n_groups, G) + a.shape[1:]), params_L)
+    tail = jax.tree.map(lambda a: a[n_groups * G:], params_L) if rest else None
+    return full, jnp.arange(n_groups) * G, tail
+
+
+def _ungroup(full, tail):
+    """[n_groups, G, ...] (and the remainder's [r, ...]) back to [L, ...]."""
+    flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), full)
+    return flat if tail is None else jax.tree.map(lambda a, b: jnp.concatenate([a, b]), flat, tail)
+
+
+def _layer_of(params_G, i: int):
+    return jax.tree.map(lambda a: a[i], params_G)
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _grouped_forward(layer_fn, queries_fn, params_L, state: DepthState, plan: ResidualPlan, unroll: bool):
+    """The forward pass of two-phase routing: per group, phase one over the slots completed before
+    it (`_group_prefix`), then its layers, each sublayer merging that with its intra-group sources
+    (`sublayer_input(prefix=)`). Returns (final state, stats [L, ...], input streams h [L, B, T, D])."""
+
+    def run_group(state, params_G, first_layer, n):
+        out, lse = _group_prefix(queries_fn, params_G, state.sources_SBTD, state.inv_rms_SBT, plan, first_layer, n)
+        h, stats = [], []
+        for i in range(n):
+            h.append(state.h_BTD)
+            prefix = Prefix(out[2 * i: 2 * i + 2], lse[2 * i: 2 * i + 2])
+            state, stats_l = layer_fn(_layer_of(params_G, i), state, first_layer + i, prefix=prefix)
+            stats.append(stats_l)
+        return state, (_stack(stats), jnp.stack(h))
+
+    full, firsts, tail = _groups(plan, params_L)
+    G = plan.group_layers
+    state, out_full = jax.lax.scan(lambda st, xs: run_group(st, xs[0], xs[1], G), state, (full, firsts),
+                                   unroll=unroll)
+    out_tail = None
+    if tail is not None:
+        state, out_tail = run_group(state, tail, firsts.shape[0] * G, plan.n_layers % G)
+    stats, h_L = _ungroup(out_full, out_tail)
+    return state, stats, h_L
+
+
+def _grouped_backward(layer_fn, queries_fn, params_L, h_L, final: DepthState, d_final: DepthState,
+                      plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS):
+    """The backward pass of two-phase routing, group by group in reverse (`_sublayer_backward` is
+    the ungrouped one; the slot bookkeeping is the same). Per group: phase one is recomputed on
+    the final buffer under `jax.vjp`; the sublayers walk in reverse, each differentiated alone
+    with respect to its parameters, stream, block start and prefix (out, lse, window); the
+    prefix cotangents of all of them go through phase one's VJP once, which is the only place
+    the group adds to the cotangent of the buffer (slots before the group). The window's
+    cotangent (per-sublayer modes: slots written and read inside the group) is consumed by the
+    slots' writers in the same walk."""
+    write = jnp.asarray(plan.write)
+    block = plan.mode in BLOCK_MODES
+    opens, closes = jnp.asarray(plan.opens_block), jnp.asarray(plan.closes_block)
+    block_start = jnp.asarray(plan.block_start_layer)
+
+    def run_group(carry, params_G, first_layer, n):
+        d_h, d_sources, d_inv, d_block = carry
+        # under checkpoint: the VJP keeps only its inputs (the live final buffer), not a float32
+        # copy of the buffer and the weights for the whole walk; phase one is recomputed in it
+        (out, lse), prefix_vjp = jax.vjp(
+            jax.checkpoint(lambda p, s, iv: _group_prefix(queries_fn, p, s, iv, plan, first_layer, n)),
+            params_G, final.sources_SBTD, final.inv_rms_SBT)
+        window = window_inv = None
+        if not block:
+            window, window_inv = group_window(plan, final, first_layer)
+            d_window, d_window_inv = jnp.zeros_like(window), jnp.zeros_like(window_inv)
+        d_out, d_lse, d_params = [None] * n, [None] * n, [None] * n
+        for i in reversed(range(n)):
+            layer = first_layer + i
+            # the layer's recomputation waits for the later layer's cotangent: without the barrier
+            # XLA may recompute every layer of the group at once, holding all their activations
+            d_h, h_l = jax.lax.optimization_barrier((d_h, h_L[layer]))
+            params_l = _layer_of(params_G, i)
+            h_block = h_L[block_start[layer]] if block else None
+            prefix = Prefix(out[2 * i: 2 * i + 2], lse[2 * i: 2 * i + 2], window, window_inv)
+
+            def delta(p, h, prefix, h_block, k, layer=layer):
+                return layer_fn(p, DepthState(h, final.sources_SBTD, final.inv_rms_SBT, h_block), layer, only=k,
+                                prefix=prefix)
+
+            if block:
+                v_attn, attn_vjp = jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, 0), params_l, h_l, prefix,
+                                           h_block)
+                v_attn = v_attn[0]
+            else:
+                v_attn = window[2 * i]  # slot 2 * layer + 1
+            h_mid = h_l + v_attn.astype(h_l.dtype)
+            d_params_l = d_out_l = d_lse_l = None
+            for k, h_in in ((1, h_mid), (0, h_l)):
+                j = 2 * layer + k
+                slot = write[j]
+                if block:
+                    if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
+                        _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), final.sources_SBTD[slot])
+                        (d_c_inv,) = inv_vjp(d_inv[slot])
+                        d_c = jnp.where(closes[j], d_sources[slot].astype(jnp.float32) + d_c_inv, 0)
+                        d_h = d_h + d_c.astype(d_h.dtype)
+                        d_block = d_block - d_c.astype(d_block.dtype)
+                    d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
+                else:  # slot j + 1 is read by later groups (d_sources) and later group-mates (the window)
+                    d_slot, d_slot_inv = d_sources[slot], d_inv[slot]
+                    if 2 * i + k < window.shape[0]:
+                        d_slot = d_slot + d_window[2 * i + k].astype(d_slot.dtype)
+                        d_slot_inv = d_slot_inv + d_window_inv[2 * i + k]
+                    d_v, d_v_inv = (d_h + d_slot).astype(h_in.dtype), d_slot_inv
+                if block and k == 0:
+                    vjp = attn_vjp
+                else:
+                    _, vjp = jax.vjp(lambda p, h, pre, hb, k=k: delta(p, h, pre, hb, k), params_l, h_in, prefix,
+                                     h_block)
+                d_p, d_h_in, d_prefix, d_block_k = vjp((d_v, d_v_inv))
+                d_h = d_h + d_h_in
+                d_out_l = d_prefix.out_BTD if d_out_l is None else d_out_l + d_prefix.out_BTD
+                d_lse_l = d_prefix.lse_BT if d_lse_l is None else d_lse_l + d_prefix.lse_BT
+                if block:
+                    d_block = d_block + d_block_k.astype(d_block.dtype)
+                    if k == 0:  # only an attention sublayer can open a block; h_block is its input h_j
+                        d_h = jnp.where(opens[j], d_h + d_block.astype(d_h.dtype), d_h)
+                        d_block = jnp.where(opens[j], 0, d_block)
+                else:
+                    d_window, d_window_inv = d_window + d_prefix.window_SBTD, d_window_inv + d_prefix.window_inv_SBT
+                d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
+            d_out[i], d_lse[i], d_params[i] = d_out_l, d_lse_l, d_params_l
+        d_params_G, d_src, d_iv = prefix_vjp((jnp.concatenate(d_out), jnp.concatenate(d_lse)))
+        d_params_G = jax.tree.map(jnp.add, _stack(d_params), d_params_G)
+        return (d_h, d_sources + d_src.astype(d_sources.dtype), d_inv + d_iv, d_block), d_params_G
+
+    full, firsts, tail = _groups(plan, params_L)
+    G = plan.group_layers
+    carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT, d_final.h_block_BTD if block else None)
+    d_tail = None
+    if tail is not None:  # the last group runs first
+        carry, d_tail = run_group(carry, tail, firsts.shape[0] * G, plan.n_layers % G)
+    carry, d_full = jax.lax.scan(lambda c, xs: run_group(c, xs[0], xs[1], G), carry, (full, firsts), reverse=True,
+                                 unroll=unroll)
+    return _ungroup(d_full, d_tail), _initial_cotangent(plan, *carry, d_final.sources_SBTD.dtype)

@@ -19,7 +19,7 @@ from deltares.nn.decoder import DecoderLayer
 from deltares.nn.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
 from deltares.nn.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
 from deltares.nn.losses import head_token_nll
-from deltares.nn.residual import plan_for
+from deltares.nn.residual import plan_for, two_phase
 
 
 def _frozen(cfg):
@@ -116,11 +116,13 @@ class Transformer(nn.Module):
         elif cfg.scan_layers and self._store_once(plan):
             layer = DecoderLayer(cfg, return_stats, parent=None)
 
-            def layer_fn(params_l, state, index, only=None):
-                return layer.apply({"params": params_l}, state, index, cos_TE, sin_TE, only=only)
+            def layer_fn(params_l, state, index, only=None, prefix=None):
+                return layer.apply({"params": params_l}, state, index, cos_TE, sin_TE, only=only, prefix=prefix)
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
-            state, stats = depth_scan(layer_fn, params_L, state, plan, unroll=cfg.scan_unroll, eps=cfg.norm_eps)
+            grouped = two_phase(cfg) and not return_stats  # statistics need every weight: one pass per sublayer
+            state, stats = depth_scan(layer_fn, params_L, state, plan, unroll=cfg.scan_unroll, eps=cfg.norm_eps,
+                                      queries_fn=layer_queries if grouped else None)
         else:
             state, stats, _ = self._layers(self._layer_class(), state, cos_TE, sin_TE, return_stats)
 
@@ -154,6 +156,13 @@ class Transformer(nn.Module):
         stats = {k: v.reshape((n_sub,) + v.shape[2:]) for k, v in stats.items()}
         stats["n_sources"] = jnp.asarray(plan.n_sources)
         return result, stats
+
+
+def layer_queries(params_l):
+    """A DecoderLayer's two routers' query and gain, each [2, D] (attention, MLP): what two-phase
+    routing reads before running the layer (deltares.nn.depth.depth_scan)."""
+    routers = (params_l["attn_router"], params_l["mlp_router"])
+    return tuple(jnp.stack([r[name] for r in routers]) for name in ("query", "gain"))
 
 
 def init_cache(model_cfg, batch: int, max_len: int):

@@ -14,6 +14,13 @@ The model keeps its depth sources in one buffer of `n_slots` slots, each [B, T, 
 Every sublayer adds its delta into its `write` slot. Which slots each sublayer
 reads is the table of DESIGN.md section 3, fixed at trace time, so one scanned
 layer body serves every depth.
+
+Two-phase grouped routing (DESIGN.md section 5) splits each sublayer's sources at
+its group's start: the slots completed before the group (`prefix_read`), routed
+for all the group's sublayers in one pass, and the few written inside the group
+(`intra_read`), merged per sublayer. A group is `group_layers` consecutive layers
+(at most; a divisor of the block in the block modes, whose only intra source is then
+the partial, and of the depth in the per-sublayer modes).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class ResidualPlan:
     read: np.ndarray  # [2L, n_slots] bool: slots sublayer j routes over
     write: np.ndarray  # [2L] int: slot that receives sublayer j's delta
     final_read: np.ndarray  # [n_slots] bool: slots of the Kimi modes' output routing
+    group_layers: int = 1  # layers per routing group (block modes: block_layers)
 
     @property
     def n_sources(self) -> np.ndarray:
@@ -64,6 +72,19 @@ class ResidualPlan:
         return (first_sublayer[::2] // 2).astype(np.int32)
 
     @property
+    def prefix_read(self) -> np.ndarray:
+        """[2L, n_slots] the slots of `read` completed before sublayer j's group: every slot below
+        the group's first write slot (block modes: the completed blocks and e)."""
+        first_slot = self.write[(np.arange(2 * self.n_layers) // (2 * self.group_layers)) * 2 * self.group_layers]
+        return self.read & (np.arange(self.n_slots)[None, :] < first_slot[:, None])
+
+    @property
+    def intra_read(self) -> np.ndarray:
+        """[2L, n_slots] the slots of `read` written inside sublayer j's group (block modes: the
+        partial, where read; per-sublayer modes: the deltas of j's earlier group-mates)."""
+        return self.read & ~self.prefix_read
+
+    @property
     def uses_sources(self) -> bool:
         return self.mode != "baseline"
 
@@ -77,8 +98,12 @@ def n_blocks(n_layers: int, block_layers: int) -> int:
     return math.ceil(n_layers / block_layers)
 
 
-def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: bool = True) -> ResidualPlan:
-    """The source table of DESIGN.md section 3 for one mode and depth."""
+def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: bool = True,
+              group_layers: int = 1) -> ResidualPlan:
+    """The source table of DESIGN.md section 3 for one mode and depth. Routing groups: the largest
+    divisor of `block_layers` (block modes: groups tile blocks, so a group's earlier sources are
+    the completed blocks and its intra source the partial) or of `n_layers` (per-sublayer modes)
+    up to `group_layers`; only a block mode's short last block may leave a shorter last group."""
     if mode not in MODES:
         raise ValueError(f"unknown residual mode {mode!r}; allowed: {', '.join(MODES)}")
     n_sub = 2 * n_layers
@@ -103,9 +128,19 @@ def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: 
         read = np.tril(np.ones((n_sub, n_slots), bool))
         write = np.arange(1, n_sub + 1, dtype=np.int32)
     final_read = np.ones(n_slots, bool) if mode in REPLACEMENT_MODES else np.zeros(n_slots, bool)
-    return ResidualPlan(mode, n_layers, n_slots, read, write, final_read)
+    span = block_layers if mode in BLOCK_MODES else n_layers  # groups tile blocks, or the whole stack
+    group = max(g for g in range(1, max(1, min(group_layers, span)) + 1) if span % g == 0)
+    return ResidualPlan(mode, n_layers, n_slots, read, write, final_read, group)
 
 
 def plan_for(model_cfg) -> ResidualPlan:
     res = model_cfg.residual
-    return make_plan(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial)
+    return make_plan(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial, max(1, res.group_layers))
+
+
+def two_phase(model_cfg) -> bool:
+    """Whether a `config.model` trains with two-phase grouped routing: the store-once depth pass
+    (routed, scanned layers, remat) with XLA routing and `residual.group_layers` > 0."""
+    res = model_cfg.residual
+    return (res.mode != "baseline" and model_cfg.scan_layers and model_cfg.remat != "none"
+            and res.impl == "xla" and res.group_layers > 0)

@@ -1,0 +1,185 @@
+"""Two-phase grouped routing: phase one (K queries over the completed sources, one pass) merged
+with each sublayer's intra-group sources equals routing over the union, against a float64 NumPy
+reference and the reference `depth_route` (forward and gradients); and the grouped store-once
+depth pass gives the ungrouped one's loss and gradients in every routed mode."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deltares.nn import depth, routing
+from deltares.nn.config import model_config
+from deltares.nn.layers import apply_router, xla_route_prefix
+from deltares.nn.losses import lm_loss
+from deltares.nn.model import Transformer
+from deltares.nn.residual import make_plan
+
+EPS = 1e-6
+
+
+def np_route(sources, valid, query, gain, residual=None, null=None, gate=None):
+    """Float64 routing over the valid sources (and a null source) of every token."""
+    s = np.asarray(sources, np.float64)
+    keys = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + EPS) * np.asarray(gain, np.float64)
+    logits = np.einsum("sbtd,d->sbt", keys, np.asarray(query, np.float64))
+    logits = np.where(np.asarray(valid)[:, None, None], logits, -np.inf)
+    values = s
+    if null is not None:
+        n = np.asarray(null, np.float64)
+        null_logit = np.dot(n / np.sqrt(np.mean(n * n) + EPS) * gain, query)
+        logits = np.concatenate([logits, np.full((1,) + logits.shape[1:], null_logit)])
+        values = np.concatenate([s, np.broadcast_to(n, (1,) + s.shape[1:])])
+    w = np.exp(logits - logits.max(axis=0))
+    w = w / w.sum(axis=0)
+    out = np.einsum("sbt,sbtd->btd", w, values)
+    if gate is not None:
+        out = gate * out
+    return out if residual is None else np.asarray(residual, np.float64) + out
+
+
+def _case(seed, S_prefix=4, S_intra=3, K=3, B=2, T=3, D=8):
+    rng = np.random.default_rng(seed)
+    prefix = rng.normal(size=(S_prefix, B, T, D)) * rng.uniform(0.5, 3, size=(S_prefix, 1, 1, 1))
+    intra = rng.normal(size=(S_intra, B, T, D))
+    queries, gains = rng.normal(size=(K, D)), rng.uniform(0.5, 1.5, size=(K, D))
+    valid_prefix = np.ones((K, S_prefix), bool)
+    valid_prefix[1, 2:] = False  # each query its own prefix slots, slot 0 always
+    valid_prefix[2, 1] = False
+    valid_intra = np.tril(np.ones((K, S_intra), bool), -1)  # query k: the k intra slots before it
+    return prefix, intra, queries, gains, valid_prefix, valid_intra, rng.normal(size=(B, T, D)), rng.normal(size=D)
+
+
+def _two_phase(prefix, intra, queries, gains, valid_prefix, valid_intra, k, residual=None, null=None, gate=None):
+    out_KBTD, lse_KBT = xla_route_prefix(prefix, routing.inv_rms(prefix), valid_prefix, queries, gains)
+    params = {"query": queries[k], "gain": gains[k]}
+    if null is not None:
+        params["null_source"] = null
+    if gate is not None:
+        params["gate"] = gate
+    out, weights = apply_router(params, intra, routing.inv_rms(intra), valid_intra[k], residual,
+                                prefix=(out_KBTD[k], lse_KBT[k]))
+    return out, weights
+
+
+@pytest.mark.parametrize("additive, null, gate", [(False, False, False), (True, False, False), (True, True, False),
+                                                  (True, True, True)])
+def test_merge_equals_routing_over_the_union_float64(additive, null, gate):
+    with jax.enable_x64(True):
+        prefix, intra, queries, gains, vp, vi, residual, null_D = _case(0)
+        gate_1 = np.array([0.7]) if gate else None
+        for k in range(queries.shape[0]):
+            union = np.concatenate([prefix, intra])
+            valid = np.concatenate([vp[k], vi[k]])
+            want = np_route(union, valid, queries[k], gains[k], residual if additive else None,
+                            null_D if null else None, gate_1[0] if gate else None)
+            got, weights = _two_phase(prefix, intra, queries, gains, vp, vi, k, residual if additive else None,
+                                      null_D if null else None, gate_1)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+            assert weights.shape == intra.shape[:3]  # the merge's weights: the intra sources only
+
+
+def test_gradients_equal_the_reference_depth_route_float64():
+    """d(loss) / d(prefix sources, intra sources, queries, gains, residual) of phase one + merge
+    equals autodiff of `routing.depth_route` over the union, for every query of the group."""
+    with jax.enable_x64(True):
+        prefix, intra, queries, gains, vp, vi, residual, _ = _case(1)
+        cot = np.random.default_rng(2).normal(size=residual.shape)
+
+        def grouped(prefix, intra, queries, gains, residual):
+            return sum(jnp.vdot(cot * (k + 1), _two_phase(prefix, intra, queries, gains, vp, vi, k, residual)[0])
+                       for k in range(queries.shape[0]))
+
+        def reference(prefix, intra, queries, gains, residual):
+            union = jnp.concatenate([prefix, intra])
+            return sum(jnp.vdot(cot * (k + 1), routing.depth_route(union, np.concatenate([vp[k], vi[k]]), queries[k],
+                                                                   gains[k], residual))
+                       for k in range(queries.shape[0]))
+
+        args = (prefix, intra, queries, gains, residual)
+        got = jax.grad(grouped, argnums=range(5))(*args)
+        want = jax.grad(reference, argnums=range(5))(*args)
+        for name, g, w in zip(("prefix", "intra", "queries", "gains", "residual"), got, want):
+            assert np.abs(w).max() > 0, name
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_prefix_reads_every_query_once_per_source():
+    """Phase one's K results are each query's routing alone (a query's masked slots stay out)."""
+    with jax.enable_x64(True):
+        prefix, _, queries, gains, vp, _, _, _ = _case(3)
+        out, lse = xla_route_prefix(prefix, routing.inv_rms(prefix), vp, queries, gains)
+        for k in range(queries.shape[0]):
+            np.testing.assert_allclose(np.asarray(out[k]), np_route(prefix, vp[k], queries[k], gains[k]),
+                                       rtol=1e-12, atol=1e-12)
+        assert np.all(np.isfinite(np.asarray(lse)))
+
+
+# ----------------------------------------------------------------------------- the grouped depth pass
+
+def _cfg(mode, group_layers, n_layers, block_layers, **residual):
+    return model_config(
+        vocab_size=64, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
+        dtype="float32", remat="full", loss_chunk=0,
+        residual=dict(mode=mode, block_layers=block_layers, group_layers=group_layers, **residual))
+
+
+def _loss_and_grads(cfg, params, tokens):
+    model = Transformer(cfg)
+
+    def loss(p):
+        return lm_loss(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("mode, n_layers, block_layers, group_layers, residual", [
+    ("delta", 4, 1, 2, {}),
+    ("delta", 4, 1, 4, dict(gate=True, null_source=True)),
+    ("full_attnres", 6, 1, 3, {}),
+    ("full_attnres", 3, 1, 1, {}),
+    ("delta_block", 5, 2, 4, {}),  # uneven: the last block (one layer) is the remainder group
+    ("delta_block", 4, 2, 4, dict(gate=True, null_source=True)),
+    ("delta_block", 4, 1, 4, dict(include_partial=False)),
+    ("delta_block", 6, 4, 2, {}),  # two groups per block, the last block short
+    ("block_attnres", 5, 3, 4, {}),
+    ("block_attnres", 4, 2, 4, dict(include_partial=False)),
+])
+def test_grouped_depth_pass_equals_ungrouped(mode, n_layers, block_layers, group_layers, residual, monkeypatch):
+    calls = []
+    for name in ("_grouped_forward", "_grouped_backward"):
+        original = getattr(depth, name)
+        monkeypatch.setattr(depth, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+    ungrouped = _cfg(mode, 0, n_layers, block_layers, **residual)
+    params = nn.meta.unbox(Transformer(ungrouped).init(jax.random.key(1), tokens[:, :-1]))["params"]
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    loss0, grads0 = _loss_and_grads(ungrouped, params, tokens)
+    assert not calls
+    loss1, grads1 = _loss_and_grads(_cfg(mode, group_layers, n_layers, block_layers, **residual), params, tokens)
+    assert calls == ["_grouped_forward", "_grouped_backward"]  # the grouped pass ran, both ways
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    for (path, g0), g1 in zip(jax.tree_util.tree_flatten_with_path(grads0)[0], jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(g1, g0, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("mode, n_layers, block_layers, group_layers, want", [
+    ("delta", 36, 1, 4, 4), ("delta", 6, 1, 4, 3), ("delta", 5, 1, 4, 1), ("full_attnres", 12, 1, 8, 6),
+    ("delta_block", 6, 4, 4, 4), ("delta_block", 6, 4, 1, 1), ("delta_block", 5, 4, 3, 2), ("block_attnres", 36, 6, 4, 3),
+])
+def test_group_size(mode, n_layers, block_layers, group_layers, want):
+    """The largest divisor up to group_layers of the block (block modes) or of the depth."""
+    assert make_plan(mode, n_layers, block_layers, True, group_layers).group_layers == want
+
+
+def test_prefix_and_intra_split_the_reads():
+    plan = make_plan("delta", 4, group_layers=2)
+    np.testing.assert_array_equal(plan.prefix_read | plan.intra_read, plan.read)
+    assert not (plan.prefix_read & plan.intra_read).any()
+    np.testing.assert_array_equal(plan.prefix_read[4:].sum(axis=1), [5, 5, 5, 5])  # e and sublayers 0..3
+    np.testing.assert_array_equal(plan.intra_read[4:].sum(axis=1), [0, 1, 2, 3])
+    block = make_plan("delta_block", 4, block_layers=2)
+    np.testing.assert_array_equal(block.intra_read.sum(axis=1), [0, 1, 1, 1, 0, 1, 1, 1])  # the partial

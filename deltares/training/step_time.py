@@ -30,6 +30,13 @@ and -2.9% for delta_block, where the fit through 2, 4, 6 layers is within 2% of 
 unroll (+1.5%, -1.8%; baseline's line +0.03%). Block modes are compiled with a small block size
 (`compile_plan`) so that the slot count varies across the compiles as it does with depth.
 
+Two-phase grouped routing (`deltares.nn.residual.two_phase`, the default for scanned layers under
+remat) reads the buffer once per group of G layers (phase one: cost in L/G x S) and, per
+sublayer, only the slots written inside its group (cost in L x G): at a fixed G the same
+t = c0 + c1 L + c2 L S. With the default G = 1 that holds at any depth and block size; for
+G > 1 the compiles are at G, 2G and 3G layers (blocks kept) so that each has the model's
+groups (`default_layers`), and where that reaches the model's depth the full model is compiled.
+
 `estimate_step_time(..., full=True)` compiles the whole unrolled model instead: the check of
 the extrapolation.
 """
@@ -88,8 +95,26 @@ def extrapolate_slots(points: Mapping[tuple[int, int], float], n_layers: int, n_
 
 def default_layers(model_cfg) -> tuple[int, ...]:
     """Depths to compile: (2, 4) in baseline (its cost is linear in depth); (2, 4, 6) in the
-    routed modes, whose per-layer cost grows with the source buffer (`extrapolate_slots`)."""
-    return (2, 4) if model_cfg.residual.mode == "baseline" else (2, 4, 6)
+    routed modes, whose per-layer cost grows with the source buffer (`extrapolate_slots`); with
+    two-phase routing over groups of G > 1 layers the first three multiples of G (of the block in
+    the block modes), so that every compile has the model's groups (and blocks)."""
+    if model_cfg.residual.mode == "baseline":
+        return (2, 4)
+    from deltares.nn.residual import plan_for
+
+    if _multi_layer_groups(model_cfg):
+        res = model_cfg.residual
+        G = res.block_layers if res.mode in BLOCK_MODES else plan_for(model_cfg).group_layers
+        return (G, 2 * G, 3 * G)
+    return (2, 4, 6)
+
+
+def _multi_layer_groups(model_cfg) -> bool:
+    """Two-phase routing over groups of more than one layer: the compiles must have the model's
+    groups (and, in block modes, blocks). One-layer groups are the same at every depth and block size."""
+    from deltares.nn.residual import plan_for, two_phase
+
+    return two_phase(model_cfg) and plan_for(model_cfg).group_layers > 1
 
 
 def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[int, int, int], ...]:
@@ -98,18 +123,22 @@ def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[
     depth): kept when small (2 in s220m, so (2, 4, 6) are the deep model's own blocks), reduced
     otherwise (s1044m's 6), so that the slot count grows across the compiles as it does with
     depth; clamped to one block, 2 and 4 layers of block_layers 6 would both have 2 slots and
-    say nothing of the 7 slots every router of the 36-layer model reads."""
+    say nothing of the 7 slots every router of the 36-layer model reads. With two-phase routing
+    over groups of more than one layer the model's own block size is kept: the groups tile its
+    blocks (`default_layers` then compiles at multiples of it)."""
     from deltares.nn.residual import make_plan
 
     layers = tuple(int(n) for n in (layers if layers is not None else default_layers(model_cfg)))
     if len(set(layers)) != len(layers) or min(layers) < 1:
         raise ValueError(f"layers={layers}: distinct positive layer counts")
     res = model_cfg.residual
-    block_layers = min(res.block_layers, min(layers)) if res.mode in BLOCK_MODES else res.block_layers
+    block_layers = res.block_layers
+    if res.mode in BLOCK_MODES and not _multi_layer_groups(model_cfg):
+        block_layers = min(res.block_layers, min(layers))
     out = []
     for n in sorted(layers):
         bl = min(block_layers, n)
-        plan = make_plan(res.mode, n, bl, res.include_partial)
+        plan = make_plan(res.mode, n, bl, res.include_partial, max(1, res.group_layers))
         out.append((n, bl, plan.n_slots if plan.uses_sources else 0))
     return tuple(out)
 
@@ -226,6 +255,7 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     mesh, devices = _mesh(cfg, topology, mesh_override)
     n_layers, n_slots = cfg.model.n_layers, n_slots_of(cfg.model)
     shallow = compile_plan(cfg.model, layers)
+    full = full or max(n for n, _, _ in shallow) >= n_layers  # the shallow compiles would be as deep
     specs = ((n_layers, cfg.model.residual.block_layers, n_slots),) if full else shallow
     points = {(n, bl): compile_costs(_with(cfg, n_layers=n, block_layers=bl), mesh) for n, bl, _ in specs}
     if _loss_chunks(cfg)[1] == 1:

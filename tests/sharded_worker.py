@@ -144,7 +144,7 @@ def max_param_diff(a, b):
 
 def main():
     assert jax.device_count() == 8, jax.devices()
-    out = {"modes": {}, "remat_full": {}}
+    out = {"modes": {}, "remat_full": {}, "two_phase": {}}
     ref_states = {}
     for mode in MODES:
         cfg = debug_config(mode)
@@ -170,6 +170,10 @@ def main():
         cfg.model.remat = "full"
         losses, state, _ = sharded(cfg, MESHES["data2_fsdp2_tensor2"])
         out["remat_full"][mode] = {"losses": losses, "max_param_diff": max_param_diff(state, ref_states[mode])}
+        # two-phase grouped routing (phase one inside shard_map on each device's slice of D)
+        cfg.model.residual.group_layers = 3  # delta: the 3 layers in one group; delta_block: its blocks
+        losses, state, _ = sharded(cfg, MESHES["data2_fsdp2_tensor2"])
+        out["two_phase"][mode] = {"losses": losses, "max_param_diff": max_param_diff(state, ref_states[mode])}
 
     out["tensor_split_routing"] = tensor_split_routing()
 

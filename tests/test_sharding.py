@@ -49,6 +49,15 @@ def test_store_once_backward_under_tensor_split_equals_single_device(results, mo
     assert got["max_param_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["full_attnres", "delta", "delta_block"])
+def test_two_phase_routing_under_tensor_split_equals_single_device(results, mode):
+    """Two-phase grouped routing (group_layers=3, remat full) on data=2, fsdp=2, tensor=2, its
+    phase one on each device's slice of D: the single-device losses and parameters."""
+    got = results["two_phase"][mode]
+    np.testing.assert_allclose(got["losses"], results["modes"][mode]["single"], rtol=1e-6)
+    assert got["max_param_diff"] < 1e-5
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_routing_splits_the_model_dimension_over_tensor(results, mode):
     """With tensor > 1 every routed sublayer (2 per layer, plus the Kimi modes' output routing)

@@ -279,12 +279,7 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
             slot = write[j]
             if block:
                 if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
-                    # the block's last write: c = h_{j+1} - h_block, read by later blocks
-                    _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), final.sources_SBTD[slot])
-                    (d_c_inv,) = inv_vjp(d_inv[slot])
-                    d_c = jnp.where(closes[j], d_sources[slot].astype(jnp.float32) + d_c_inv, 0)
-                    d_h = d_h + d_c.astype(d_h.dtype)
-                    d_block = d_block - d_c.astype(d_block.dtype)
+                    d_h, d_block = _closed_block_cotangent(final, d_sources, d_inv, slot, closes[j], d_h, d_block, eps)
                 d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
             else:
                 d_v, d_v_inv = (d_h + d_sources[slot]).astype(h_in.dtype), d_inv[slot]
@@ -307,6 +302,16 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
     xs = (params_L, jnp.arange(plan.n_layers), h_L)
     (d_h, d_sources, d_inv, d_block), d_params = jax.lax.scan(body, carry, xs, reverse=True, unroll=unroll)
     return d_params, _initial_cotangent(plan, d_h, d_sources, d_inv, d_block, d_final.sources_SBTD.dtype)
+
+
+def _closed_block_cotangent(final: DepthState, d_sources, d_inv, slot, closes_j, d_h, d_block, eps: float):
+    """Block modes, at an MLP sublayer j: where j closes its block, the block's slot holds its last
+    write c = h_{j+1} - h_block (read by later blocks), whose cotangent (through 1/rms too) goes to
+    h_{j+1} and, negated, to h_block. Returns (d_h, d_block)."""
+    _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), final.sources_SBTD[slot])
+    (d_c_inv,) = inv_vjp(d_inv[slot])
+    d_c = jnp.where(closes_j, d_sources[slot].astype(jnp.float32) + d_c_inv, 0)
+    return d_h + d_c.astype(d_h.dtype), d_block - d_c.astype(d_block.dtype)
 
 
 def _initial_cotangent(plan: ResidualPlan, d_h, d_sources, d_inv, d_block, dtype) -> DepthState:
@@ -442,11 +447,8 @@ def _grouped_backward(layer_fn, queries_fn, params_L, h_L, final: DepthState, d_
                 slot = write[j]
                 if block:
                     if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
-                        _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), final.sources_SBTD[slot])
-                        (d_c_inv,) = inv_vjp(d_inv[slot])
-                        d_c = jnp.where(closes[j], d_sources[slot].astype(jnp.float32) + d_c_inv, 0)
-                        d_h = d_h + d_c.astype(d_h.dtype)
-                        d_block = d_block - d_c.astype(d_block.dtype)
+                        d_h, d_block = _closed_block_cotangent(final, d_sources, d_inv, slot, closes[j], d_h, d_block,
+                                                               eps)
                     d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
                 else:  # slot j + 1 is read by later groups (d_sources) and later group-mates (the window)
                     d_slot, d_slot_inv = d_sources[slot], d_inv[slot]

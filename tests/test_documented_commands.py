@@ -271,7 +271,7 @@ RULES = (
          "run", extra=SHORT_TRAIN, first=True, reason="3 steps; its run directory is read by the tools' commands"),
     Rule("paper-scale training", rf"^(for .*; do )?python -m deltares\.train --config experiments/({PAPER_SCALES})\.py",
          "dry_run", extra=("--dry_run",), check="dry_run", reason="flags, config, abstract parameters and step"),
-    Rule("small-scale training", r"^python -m deltares\.train --config experiments/(tiny|debug)\.py", "run",
+    Rule("small-scale training", r"^python -m deltares\.train --config experiments/(tiny|tiny_deep|debug)\.py", "run",
          extra=SHORT_TRAIN, reason="3 steps"),
     Rule("data preparation", r"^python -m deltares\.data\.prepare ", "run"),
     Rule("evaluation", r"^python -m deltares\.eval ", "run"),

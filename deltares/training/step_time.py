@@ -35,7 +35,7 @@ remat) reads the buffer once per group of G layers (phase one: cost in L/G x S) 
 sublayer, only the slots written inside its group (cost in L x G): at a fixed G the same
 t = c0 + c1 L + c2 L S. With the default G = 1 that holds at any depth and block size; for
 G > 1 the compiles are at G, 2G and 3G layers (blocks kept) so that each has the model's
-groups (`default_layers`), and where that reaches the model's depth the full model is compiled.
+groups (`default_layers`).
 
 `estimate_step_time(..., full=True)` compiles the whole unrolled model instead: the check of
 the extrapolation.
@@ -255,7 +255,6 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     mesh, devices = _mesh(cfg, topology, mesh_override)
     n_layers, n_slots = cfg.model.n_layers, n_slots_of(cfg.model)
     shallow = compile_plan(cfg.model, layers)
-    full = full or max(n for n, _, _ in shallow) >= n_layers  # the shallow compiles would be as deep
     specs = ((n_layers, cfg.model.residual.block_layers, n_slots),) if full else shallow
     points = {(n, bl): compile_costs(_with(cfg, n_layers=n, block_layers=bl), mesh) for n, bl, _ in specs}
     if _loss_chunks(cfg)[1] == 1:

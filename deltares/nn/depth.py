@@ -12,6 +12,11 @@ baseline's remat saves, the layer's input stream h, and its backward pass walks 
 sublayers in reverse, each differentiated alone as (params, h, final buffer) -> delta:
 a recomputation never writes, and so never copies, the buffer. Memory beyond
 baseline: the final buffer and one cotangent buffer.
+
+Given the routers' queries (`depth_scan(queries_fn=)`), the scan routes two-phase over
+groups of layers (DESIGN.md section 5; `_grouped_forward`, `_grouped_backward`): the
+slots completed before a group are routed for all its sublayers in one pass (`Prefix`),
+and each sublayer merges that with the sources written inside its group.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def test_gradients_equal_the_reference_depth_route_float64():
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-12, err_msg=name)
 
 
-def test_prefix_reads_every_query_once_per_source():
+def test_prefix_gives_each_query_its_own_routing():
     """Phase one's K results are each query's routing alone (a query's masked slots stay out)."""
     with jax.enable_x64(True):
         prefix, _, queries, gains, vp, _, _, _ = _case(3)

@@ -41,7 +41,7 @@ class ResidualPlan:
     read: np.ndarray  # [2L, n_slots] bool: slots sublayer j routes over
     write: np.ndarray  # [2L] int: slot that receives sublayer j's delta
     final_read: np.ndarray  # [n_slots] bool: slots of the Kimi modes' output routing
-    group_layers: int = 1  # layers per routing group (block modes: block_layers)
+    group_layers: int = 1  # layers per two-phase routing group (a divisor of the block in the block modes)
 
     @property
     def n_sources(self) -> np.ndarray:

@@ -63,6 +63,7 @@ from deltares.training.compile_only import (  # noqa: F401 - re-exported: the to
     AotError,
     mesh_config,
     parse_topology,
+    step_mesh,
     topology_devices,
     train_step,
 )
@@ -214,27 +215,11 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
     """Compiles the train step of `cfg` for `topology` (a TPU slice) or `gpu` (one GPU: "h100",
     "h200") and returns the report (see module doc)."""
     from deltares.training.metrics import model_flops_per_token
-    from deltares.training.sharding import make_mesh
 
     devices = _gpu_devices(gpu) if gpu else topology_devices(topology)
-    mesh_cfg = mesh_config(cfg, mesh_override)
-    try:
-        mesh = make_mesh(mesh_cfg, devices)
-    except ValueError as err:
-        raise AotError(f"mesh for {len(devices)} devices of {topology or gpu}: {err}") from None
+    mesh = step_mesh(cfg, devices, topology or gpu, mesh_override)
     t = cfg.train
     global_batch, seq_len = t.global_batch, cfg.data.seq_len
-    batch_ways = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
-    if global_batch % batch_ways:
-        raise AotError(
-            f"config.train.global_batch={global_batch} does not split over data x fsdp = {batch_ways} devices of "
-            f"mesh {dict(mesh.shape)}; pass --config.train.global_batch or --mesh"
-        )
-    if global_batch % t.micro_batches or (global_batch // t.micro_batches) % batch_ways:
-        raise AotError(
-            f"a micro-batch of {global_batch} / micro_batches={t.micro_batches} rows does not split over "
-            f"data x fsdp = {batch_ways} devices"
-        )
     device = devices[0]
     if gpu:  # the GPU compiler compiles any size; the target config states the device's memory
         from deltares.training.gpu_aot import device_memory_bytes

@@ -218,19 +218,11 @@ def loss_loop_from(at_chunk: dict, at_half_chunk: dict, chunk: int, n_chunks: in
 
 
 def _mesh(cfg, topology: str, mesh_override: str | None):
-    from deltares.training.compile_only import AotError, mesh_config as _mesh_config, topology_devices
-    from deltares.training.sharding import make_mesh
+    from deltares.training.compile_only import AotError, step_mesh, topology_devices
 
     devices = topology_devices(topology)
-    try:
-        mesh = make_mesh(_mesh_config(cfg, mesh_override), devices)
-    except ValueError as err:
-        raise AotError(f"mesh for {len(devices)} devices of {topology}: {err}") from None
-    t, ways = cfg.train, mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
-    if t.global_batch % t.micro_batches or (t.global_batch // t.micro_batches) % ways:
-        raise AotError(f"config.train.global_batch={t.global_batch} does not split over data x fsdp = {ways} "
-                       f"devices of mesh {dict(mesh.shape)}; pass --config.train.global_batch or --mesh")
-    if t.micro_batches != 1:
+    mesh = step_mesh(cfg, devices, topology, mesh_override)
+    if cfg.train.micro_batches != 1:
         raise AotError("the step-time estimate needs train.micro_batches=1 (the micro-batch loop is counted once)")
     return mesh, devices
 

@@ -174,6 +174,12 @@ def main():
         cfg.model.residual.group_layers = 3  # delta: the 3 layers in one group; delta_block: its blocks
         losses, state, _ = sharded(cfg, MESHES["data2_fsdp2_tensor2"])
         out["two_phase"][mode] = {"losses": losses, "max_param_diff": max_param_diff(state, ref_states[mode])}
+    # phase one as the fused K-query kernel (interpret mode), inside shard_map with tokens split, D whole
+    cfg = debug_config("delta_block")
+    cfg.model.remat, cfg.model.residual.group_layers = "full", 3
+    cfg.model.residual.impl, cfg.model.residual.interpret = "pallas_tpu", True
+    losses, state, _ = sharded(cfg, MESHES["data2_fsdp2_tensor2"])
+    out["two_phase_kernel"] = {"losses": losses, "max_param_diff": max_param_diff(state, ref_states["delta_block"])}
 
     out["tensor_split_routing"] = tensor_split_routing()
 

@@ -45,18 +45,24 @@ COMPILES = """if True:
     count = aot.pallas_kernel_calls
     aot.pallas_kernel_calls = lambda text: texts.append(text) or count(text)
     experiment = importlib.machinery.SourceFileLoader("debug", "experiments/debug.py").load_module()
-    for impl in ("pallas", "xla"):
+    for label, impl, group in (("pallas", "pallas", 0), ("xla", "xla", 0), ("two_phase", "pallas", 2)):
         cfg = experiment.get_config("delta_block")
         cfg.model.residual.impl = impl  # --config.model.residual.impl=...
+        cfg.model.residual.group_layers = group
+        cfg.model.remat = "full" if group else cfg.model.remat  # two-phase routing: the store-once pass
         report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block", gpu="h100")
         hlo = texts.pop()  # the compiled train step (an out-of-memory report would have none)
-        print(json.dumps(dict(impl=impl, report=report, triton_calls=hlo.count(sys.argv[1]))), flush=True)
+        lines = [line for line in hlo.splitlines() if sys.argv[1] in line]
+        prefix_calls = sum("depth_route_prefix" in line for line in lines)  # phase one's K-query kernels
+        print(json.dumps(dict(impl=label, report=report, triton_calls=len(lines), prefix_calls=prefix_calls)),
+              flush=True)
 """
 
 
 @pytest.fixture(scope="module")
 def h100_compiles():
-    """{impl: (report, Triton kernel calls in the optimized HLO)} for impl pallas and xla."""
+    """{impl: (report, Triton kernel calls in the optimized HLO, those of phase one's kernels)} for impl
+    pallas and xla, and "two_phase" (pallas, residual.group_layers=2, remat full)."""
     proc = subprocess.run([sys.executable, "-c", COMPILES, TRITON_CALL], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -66,8 +72,8 @@ def h100_compiles():
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             item = json.loads(line)
-            out[item["impl"]] = item["report"], item["triton_calls"]
-    assert set(out) == {"pallas", "xla"}, proc.stdout
+            out[item["impl"]] = item["report"], item["triton_calls"], item["prefix_calls"]
+    assert set(out) == {"pallas", "xla", "two_phase"}, proc.stdout
     return out
 
 
@@ -75,7 +81,8 @@ def h100_compiles():
 def test_fused_routing_is_a_triton_kernel_of_the_h100_train_step(h100_compiles):
     """impl=pallas: the depth-routing kernel of kernels_pallas/depth_route/pallas_gpu.py (forward and
     backward) is compiled into the H100 train step."""
-    report, triton_calls = h100_compiles["pallas"]
+    report, triton_calls, prefix_calls = h100_compiles["pallas"]
+    assert prefix_calls == 0
     assert triton_calls >= 2 and report["pallas_kernel_calls"] == triton_calls
     assert report["routing_impl"] == "pallas" and report["gpu"] == "h100" and report["topology"] is None
     assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["devices"] == 1
@@ -95,9 +102,18 @@ def test_fused_routing_is_a_triton_kernel_of_the_h100_train_step(h100_compiles):
 @needs_cuda_compiler
 def test_xla_routing_compiles_no_triton_kernel(h100_compiles):
     """The same step with impl=xla: no Pallas kernel, so the marker above really marks the kernel."""
-    report, triton_calls = h100_compiles["xla"]
+    report, triton_calls, _ = h100_compiles["xla"]
     assert triton_calls == 0 and report["pallas_kernel_calls"] == 0 and report["routing_impl"] == "xla"
     assert report["fits"] is True and report["per_device_bytes"] > 0
+
+
+@needs_cuda_compiler
+def test_two_phase_routing_compiles_its_k_query_kernels_for_the_h100(h100_compiles):
+    """impl=pallas with group_layers=2: phase one of two-phase routing is the K-query Triton kernel
+    (kernels_pallas/depth_route/pallas_gpu.py prefix_*, forward and backward) in the H100 train step."""
+    report, triton_calls, prefix_calls = h100_compiles["two_phase"]
+    assert prefix_calls >= 2 and report["pallas_kernel_calls"] == triton_calls >= prefix_calls
+    assert report["routing_impl"] == "pallas" and report["fits"] is True
 
 
 @needs_cuda_compiler

@@ -185,25 +185,30 @@ def test_default_on_cpu_is_xla_and_unrunnable_kernels_fall_back():
 
 @pytest.mark.parametrize("D", [1280, 8192])
 def test_gpu_kernel_lowers_to_triton_for_cuda(D):
-    """The Triton lowering (power-of-two blocks, masked loads) runs without a GPU."""
+    """The Triton lowering (power-of-two blocks, masked loads) runs without a GPU: the single-query
+    kernels and phase one's K-query kernels."""
     sds = jax.ShapeDtypeStruct
-    S, N = 5, 96
+    S, N, K = 5, 96, 4
 
-    def fwd_bwd(src, valid, bias, q, res, dout):
+    def fwd_bwd(src, valid, bias, q, res, dout, bias_SK, q_KD, dout_KND):
         out, lse = pallas_gpu.forward(src, valid, bias, q, res, eps=1e-6)
-        return out, pallas_gpu.backward(src, valid, bias, q, lse, dout, eps=1e-6)
+        out_K, lse_K = pallas_gpu.prefix_forward(src, valid, bias_SK, q_KD, eps=1e-6)
+        return (out, pallas_gpu.backward(src, valid, bias, q, lse, dout, eps=1e-6), out_K,
+                pallas_gpu.prefix_backward(src, valid, bias_SK, q_KD, lse_K, lse_K, dout_KND, eps=1e-6))
 
     args = (sds((S, N, D), jnp.bfloat16), sds((S,), jnp.int32), sds((S, N), jnp.float32), sds((D,), jnp.float32),
-            sds((N, D), jnp.bfloat16), sds((N, D), jnp.bfloat16))
+            sds((N, D), jnp.bfloat16), sds((N, D), jnp.bfloat16), sds((S, K), jnp.float32), sds((K, D), jnp.float32),
+            sds((K, N, D), jnp.float32))
     text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == 4
+    assert "depth_route_prefix_fwd" in text and "depth_route_prefix_bwd" in text
 
 
 AOT_SCRIPT = """
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from deltares import aot
-from kernels_pallas.depth_route import depth_route
+from kernels_pallas.depth_route import depth_route, route_prefix
 
 devices = aot.topology_devices("v5e:2x2")
 mesh = jax.make_mesh((4,), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Explicit,))
@@ -219,37 +224,53 @@ for valid, valid_spec in ((sds((S,), jnp.bool_), P()), (sds((S, B, T), jnp.bool_
         forward = jax.jit(route).lower(*args).compile().as_text()
         backward = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile().as_text()
     print("KERNELS", len(valid.shape), forward.count("tpu_custom_call"), backward.count("tpu_custom_call"))
+# phase one of two-phase routing: 6 queries (a group of 3 layers), each its own sources
+K = 6
+args = (args[0], sds((K, S), jnp.bool_), sds((K, D), jnp.float32), sds((K, D), jnp.float32))
+prefix = jax.shard_map(lambda *a: route_prefix(*a, implementation="pallas_tpu"), mesh=mesh,
+                       in_specs=(P(None, "data"), P(), P(), P()), out_specs=(P(None, "data"), P(None, "data")))
+loss = lambda *a: sum(jnp.sum(x ** 2) for x in prefix(*a))
+with jax.set_mesh(mesh):
+    forward = jax.jit(prefix).lower(*args).compile().as_text()
+    backward = jax.jit(jax.grad(loss, argnums=(0, 2, 3))).lower(*args).compile().as_text()
+print("PREFIX", forward.count("tpu_custom_call"), backward.count("tpu_custom_call"))
 """
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("libtpu"), reason="libtpu is not installed (requirements.txt)")
-def test_tpu_kernel_compiles_for_a_tpu_slice_in_shard_map():
+def test_tpu_kernels_compile_for_a_tpu_slice_in_shard_map():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(AOT_SCRIPT)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # forward: one Mosaic kernel; jax.grad: the forward and the backward kernel; [S] and [S, B, T] masks
-    for line in ("KERNELS 1 1 2", "KERNELS 3 1 2"):
+    # forward: one Mosaic kernel; jax.grad: the forward and the backward kernel; [S] and [S, B, T] masks;
+    # the same for the K-query kernels of phase one
+    for line in ("KERNELS 1 1 2", "KERNELS 3 1 2", "PREFIX 1 2"):
         assert line in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- in the model
 
 
-@pytest.mark.parametrize("mode, impl, norm_eps", [
-    ("full_attnres", "pallas_tpu", 1e-6), ("block_attnres", "pallas_tpu", 1e-6), ("delta", "pallas_tpu", 1e-6),
-    ("delta_block", "pallas_tpu", 1e-6), ("delta_block", "pallas_gpu", 1e-6),
-    ("block_attnres", "pallas_gpu", 1e-3), ("delta_block", "pallas_tpu", 1e-3)])
-def test_model_with_kernel_equals_xla(mode, impl, norm_eps, monkeypatch):
+@pytest.mark.parametrize("mode, impl, norm_eps, group", [
+    ("full_attnres", "pallas_tpu", 1e-6, 0), ("block_attnres", "pallas_tpu", 1e-6, 0), ("delta", "pallas_tpu", 1e-6, 0),
+    ("delta_block", "pallas_tpu", 1e-6, 0), ("delta_block", "pallas_gpu", 1e-6, 0),
+    ("block_attnres", "pallas_gpu", 1e-3, 0), ("delta_block", "pallas_tpu", 1e-3, 0),
+    ("delta", "pallas_tpu", 1e-3, 2), ("delta_block", "pallas_gpu", 1e-6, 2), ("full_attnres", "pallas_gpu", 1e-6, 2),
+    ("block_attnres", "pallas_tpu", 1e-6, 2)])
+def test_model_with_kernel_equals_xla(mode, impl, norm_eps, group, monkeypatch):
     """`model.residual.impl` set to a kernel (interpret mode) gives the loss and gradients of "xla",
     through the scanned, rematerialised depth pass (the store-once backward) with a gate. With
     norm_eps=1e-3 the embedding (a source of every router) has RMS ~1e-2, so the kernel must
-    take config.model.norm_eps: with the default eps its routing would differ."""
+    take config.model.norm_eps: with the default eps its routing would differ. With `group`
+    (residual.group_layers) the pass is two-phase: phase one is the K-query kernel (prefix_*), the
+    merges XLA (the null source of `delta` there); compared with ungrouped XLA routing."""
     from deltares.nn.config import model_config
     from deltares.nn.losses import lm_loss
     from deltares.nn.model import Transformer
 
-    calls = {"forward": 0, "backward": 0}  # the kernel really runs (no silent fallback to xla)
+    names = ("prefix_forward", "prefix_backward") if group else ("forward", "backward")
+    calls = dict.fromkeys(names, 0)  # the kernel really runs (no silent fallback to xla)
     backend = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl]
     for name in calls:
         def counted(*args, _fn=getattr(backend, name), _name=name, **kwargs):
@@ -261,10 +282,11 @@ def test_model_with_kernel_equals_xla(mode, impl, norm_eps, monkeypatch):
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 32)
     results = []
     for kernel in ("xla", impl):
-        cfg = model_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
-                           dtype="float32", remat="full", norm_eps=norm_eps,
-                           residual=dict(mode=mode, block_layers=1, impl=kernel, interpret=kernel != "xla",
-                                         gate=mode == "delta_block"))
+        cfg = model_config(vocab_size=32, d_model=16, n_layers=2 + 2 * (group > 0), n_heads=2, n_kv_heads=1,
+                           head_dim=8, d_ff=32, dtype="float32", remat="full", norm_eps=norm_eps,
+                           residual=dict(mode=mode, block_layers=max(1, group), impl=kernel, interpret=kernel != "xla",
+                                         gate=mode == "delta_block", group_layers=group if kernel != "xla" else 0,
+                                         null_source=mode == "delta" and group > 0))
         model = Transformer(cfg)
         params = model.init(jax.random.key(1), tokens)["params"]
         keys = iter(jax.random.split(jax.random.key(2), 64))
@@ -274,7 +296,7 @@ def test_model_with_kernel_equals_xla(mode, impl, norm_eps, monkeypatch):
             assert float(jnp.mean(jax.tree.leaves(params["embed"])[0] ** 2)) < 0.3 * norm_eps
         loss_fn = lambda p: lm_loss(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])  # noqa: E731
         results.append(jax.jit(jax.value_and_grad(loss_fn))(params))
-    assert calls["forward"] > 0 and calls["backward"] > 0, calls
+    assert all(calls.values()), calls
     (loss_x, grads_x), (loss_k, grads_k) = results
     assert float(loss_k) == pytest.approx(float(loss_x), rel=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5), grads_x, grads_k)

@@ -58,6 +58,15 @@ def test_two_phase_routing_under_tensor_split_equals_single_device(results, mode
     assert got["max_param_diff"] < 1e-5
 
 
+def test_two_phase_kernel_under_a_mesh_equals_single_device(results):
+    """delta_block with phase one as the fused K-query kernel (pallas_tpu in interpret mode, inside
+    shard_map: tokens split over data and fsdp, D whole) on data=2, fsdp=2, tensor=2: the
+    single-device (xla, ungrouped) losses and parameters."""
+    got = results["two_phase_kernel"]
+    np.testing.assert_allclose(got["losses"], results["modes"]["delta_block"]["single"], rtol=1e-6)
+    assert got["max_param_diff"] < 1e-5
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_routing_splits_the_model_dimension_over_tensor(results, mode):
     """With tensor > 1 every routed sublayer (2 per layer, plus the Kimi modes' output routing)

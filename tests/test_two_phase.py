@@ -11,7 +11,7 @@ import pytest
 
 from deltares.nn import depth, routing
 from deltares.nn.config import model_config
-from deltares.nn.layers import apply_router, xla_route_prefix
+from deltares.nn.layers import apply_router, route_prefix
 from deltares.nn.losses import lm_loss
 from deltares.nn.model import Transformer
 from deltares.nn.residual import make_plan
@@ -52,7 +52,7 @@ def _case(seed, S_prefix=4, S_intra=3, K=3, B=2, T=3, D=8):
 
 
 def _two_phase(prefix, intra, queries, gains, valid_prefix, valid_intra, k, residual=None, null=None, gate=None):
-    out_KBTD, lse_KBT = xla_route_prefix(prefix, routing.inv_rms(prefix), valid_prefix, queries, gains)
+    out_KBTD, lse_KBT = route_prefix(prefix, routing.inv_rms(prefix), valid_prefix, queries, gains)
     params = {"query": queries[k], "gain": gains[k]}
     if null is not None:
         params["null_source"] = null
@@ -109,7 +109,7 @@ def test_prefix_gives_each_query_its_own_routing():
     """Phase one's K results are each query's routing alone (a query's masked slots stay out)."""
     with jax.enable_x64(True):
         prefix, _, queries, gains, vp, _, _, _ = _case(3)
-        out, lse = xla_route_prefix(prefix, routing.inv_rms(prefix), vp, queries, gains)
+        out, lse = route_prefix(prefix, routing.inv_rms(prefix), vp, queries, gains)
         for k in range(queries.shape[0]):
             np.testing.assert_allclose(np.asarray(out[k]), np_route(prefix, vp[k], queries[k], gains[k]),
                                        rtol=1e-12, atol=1e-12)

@@ -70,11 +70,12 @@ MODEL_FIELDS = (
     Field("residual.block_layers", 4, int, POSITIVE, "layers per block of the block modes; at most n_layers"),
     Field("residual.include_partial", True, bool, None, "route over the current block's partial sum too"),
     Field("residual.group_layers", 0, int, NON_NEGATIVE, "two-phase grouped routing in the store-once scan (scanned "
-          "layers, remat, impl xla; same math): the sources completed before each group of this many layers (at "
-          "most: a divisor of block_layers in block modes, of n_layers otherwise) are routed in one pass for all "
-          "its sublayers; 0 (default, the faster and smaller program under XLA, see README): one pass per sublayer"),
+          "layers, remat; same math): the sources completed before each group of this many layers (at most: a "
+          "divisor of block_layers in block modes, of n_layers otherwise) are routed in one pass for all its "
+          "sublayers (with impl pallas: the fused K-query kernel); 0 (default, the faster and smaller program "
+          "under XLA, see README): one pass per sublayer"),
     Field("residual.impl", "xla", str, ROUTING_IMPLS, "depth routing: xla, or the fused Pallas kernel (pallas: the "
-          "target platform's; no routing weights, no null source)"),
+          "target platform's; no routing weights; a null source only with two-phase routing)"),
     Field("residual.interpret", False, bool, None, "run the Pallas kernel in interpret mode (CPU tests)"),
     Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "
           "additive modes)"),
@@ -190,8 +191,9 @@ def validate_model_config(cfg) -> None:
     for field in ("gate", "null_source"):
         if res[field] and res.mode not in ADDITIVE_MODES:
             _fail(prefix, f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
-    if res.impl != "xla" and res.null_source:
-        _fail(prefix, "residual.impl", res.impl, "no null source in the Pallas kernel; use 'xla'")
+    if res.impl != "xla" and res.null_source and not (res.group_layers > 0 and cfg.scan_layers and cfg.remat != "none"):
+        _fail(prefix, "residual.impl", res.impl, "no null source in the Pallas kernel (two-phase routing, "
+              "residual.group_layers > 0 with scanned layers and remat, merges it in XLA); use 'xla'")
     if res.block_layers > cfg.n_layers:
         _fail(prefix, "residual.block_layers", res.block_layers, f"must be an integer in [1, n_layers={cfg.n_layers}]")
 

@@ -57,7 +57,9 @@ class DecoderLayer(nn.Module):
         norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype), name=f"{router}_norm")
         if plan.uses_sources:
             res = cfg.residual
-            impl = "xla" if self.return_stats else res.impl  # statistics need the weights
+            # statistics need the weights; a null source has no kernel outside the two-phase merge (which
+            # is XLA): initialisation and decoding route it in XLA
+            impl = "xla" if self.return_stats or (res.null_source and prefix is None) else res.impl
             router_module = DepthRouter(res.gate, res.null_source, impl, res.interpret, cfg.norm_eps,
                                         name=f"{router}_router")
             x_BTD, weights_SBT, routed = sublayer_input(plan, state, j, router_module, res.null_source, cfg.norm_eps,

@@ -21,6 +21,7 @@ and each sublayer merges that with the sources written inside its group.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -202,7 +203,8 @@ def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
 
 
 def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan, unroll: bool = False,
-               eps: float = routing.NORM_EPS, queries_fn: Callable | None = None):
+               eps: float = routing.NORM_EPS, queries_fn: Callable | None = None, impl: str = "xla",
+               interpret: bool = False):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
     `params_L`; returns (final state, stacked stats). Differentiable in params and state.
 
@@ -214,11 +216,14 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
 
     With `queries_fn(params_l) -> (query [2, D], gain [2, D])` (the layer's two routers), routing
     is two-phase over groups of `plan.group_layers` layers (`_grouped_forward`): `layer_fn` is then
-    also called with `prefix=` a `Prefix` of the layer's two sublayers (leading axis 2)."""
+    also called with `prefix=` a `Prefix` of the layer's two sublayers (leading axis 2). Phase one
+    routes with `impl` (`layers.route_prefix`: xla or the fused K-query kernel, `interpret` for tests)."""
+    group_prefix = None if queries_fn is None else functools.partial(_group_prefix, queries_fn, impl=impl,
+                                                                     interpret=interpret, eps=eps)
 
     def forward(params_L, state):
-        if queries_fn is not None:
-            final, stats, h_L = _grouped_forward(layer_fn, queries_fn, params_L, state, plan, unroll)
+        if group_prefix is not None:
+            final, stats, h_L = _grouped_forward(layer_fn, group_prefix, params_L, state, plan, unroll)
             return (final, stats), (params_L, h_L, final)
 
         def body(state, xs):
@@ -233,8 +238,8 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     def backward(residuals, cotangents):
         params_L, h_L, final = residuals
         d_final, _ = cotangents  # statistics carry no gradient
-        if queries_fn is not None:
-            return _grouped_backward(layer_fn, queries_fn, params_L, h_L, final, d_final, plan, unroll, eps)
+        if group_prefix is not None:
+            return _grouped_backward(layer_fn, group_prefix, params_L, h_L, final, d_final, plan, unroll, eps)
         return _sublayer_backward(layer_fn, params_L, h_L, final, d_final, plan, unroll, eps)
 
     @jax.custom_vjp
@@ -337,16 +342,17 @@ def sublayer_prefix(prefix: Prefix | None, k: int) -> Prefix | None:
     return prefix._replace(out_BTD=prefix.out_BTD[k], lse_BT=prefix.lse_BT[k])
 
 
-def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: ResidualPlan, first_layer, n: int):
+def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: ResidualPlan, first_layer, n: int, *,
+                  impl: str, interpret: bool, eps: float):
     """Phase one for the n layers from `first_layer`: their 2n queries over the slots completed
     before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
-    from deltares.nn.layers import xla_route_prefix  # noqa: PLC0415 - layers imports the routing math only
+    from deltares.nn.layers import route_prefix  # noqa: PLC0415 - layers imports the routing math only
 
     query_N2D, gain_N2D = jax.vmap(queries_fn)(params_G)
     D = query_N2D.shape[-1]
     valid_KS = jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
-    return xla_route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_N2D.reshape(2 * n, D),
-                            gain_N2D.reshape(2 * n, D))
+    return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_N2D.reshape(2 * n, D), gain_N2D.reshape(2 * n, D),
+                        impl=impl, interpret=interpret, eps=eps)
 
 
 def _groups(plan: ResidualPlan, params_L):
@@ -373,13 +379,13 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _grouped_forward(layer_fn, queries_fn, params_L, state: DepthState, plan: ResidualPlan, unroll: bool):
+def _grouped_forward(layer_fn, group_prefix, params_L, state: DepthState, plan: ResidualPlan, unroll: bool):
     """The forward pass of two-phase routing: per group, phase one over the slots completed before
     it (`_group_prefix`), then its layers, each sublayer merging that with its intra-group sources
     (`sublayer_input(prefix=)`). Returns (final state, stats [L, ...], input streams h [L, B, T, D])."""
 
     def run_group(state, params_G, first_layer, n):
-        out, lse = _group_prefix(queries_fn, params_G, state.sources_SBTD, state.inv_rms_SBT, plan, first_layer, n)
+        out, lse = group_prefix(params_G, state.sources_SBTD, state.inv_rms_SBT, plan, first_layer, n)
         h, stats = [], []
         for i in range(n):
             h.append(state.h_BTD)
@@ -399,7 +405,7 @@ def _grouped_forward(layer_fn, queries_fn, params_L, state: DepthState, plan: Re
     return state, stats, h_L
 
 
-def _grouped_backward(layer_fn, queries_fn, params_L, h_L, final: DepthState, d_final: DepthState,
+def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, d_final: DepthState,
                       plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS):
     """The backward pass of two-phase routing, group by group in reverse (`_sublayer_backward` is
     the ungrouped one; the slot bookkeeping is the same). Per group: phase one is recomputed on
@@ -419,7 +425,7 @@ def _grouped_backward(layer_fn, queries_fn, params_L, h_L, final: DepthState, d_
         # under checkpoint: the VJP keeps only its inputs (the live final buffer), not a float32
         # copy of the buffer and the weights for the whole walk; phase one is recomputed in it
         (out, lse), prefix_vjp = jax.vjp(
-            jax.checkpoint(lambda p, s, iv: _group_prefix(queries_fn, p, s, iv, plan, first_layer, n)),
+            jax.checkpoint(lambda p, s, iv: group_prefix(p, s, iv, plan, first_layer, n)),
             params_G, final.sources_SBTD, final.inv_rms_SBT)
         window = window_inv = None
         if not block:

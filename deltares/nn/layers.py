@@ -195,17 +195,17 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     """A router's math on its parameters (`query`, `gain`, optionally `null_source`, `gate`: see
     DepthRouter, ROUTER_AXES); shared by the linen and NNX DepthRouter and plain parameter dicts.
     Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel.
-    `prefix` (two-phase routing, XLA only): the routing over earlier sources, `routing.route_normalized`."""
+    `prefix` (two-phase routing): the routing over earlier sources, merged as in `routing.route_normalized`;
+    that merge reads only a group's few intra-group sources and always runs in XLA (phase one, the read of
+    the whole buffer, is `route_prefix`, fused under a kernel `impl`)."""
     query, gain, null, gate = params["query"], params["gain"], params.get("null_source"), params.get("gate")
     if gate is not None and residual_BTD is None:
         raise ValueError("a routing gate needs additive routing (a residual)")
     inner_residual = residual_BTD if gate is None else None
-    if impl == "xla":
+    if impl == "xla" or prefix is not None:
         route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null, eps,
                                            prefix)
     else:
-        if prefix is not None:
-            raise ValueError("the Pallas kernel has no two-phase merge; route with a prefix with impl='xla'")
         if null is not None:
             raise ValueError("the Pallas kernel has no null source; use impl='xla' with a null source")
         route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual, impl, interpret,
@@ -250,7 +250,7 @@ def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=
     partial logits, `psum` over those axes, then local softmax and weighted sum, so the source
     buffer is never gathered. Batch and model axes come from `shard_spec`. Sources (and their
     1/rms) may be a sequence of arrays (`routing.route_normalized`), and `prefix` the (out, lse)
-    of a two-phase routing's first phase (`xla_route_prefix`)."""
+    of a two-phase routing's first phase (`route_prefix`)."""
     listed = isinstance(sources_SBTD, (tuple, list))
     args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D, prefix)
     split = _d_split((len(sources_SBTD),) + sources_SBTD[0].shape if listed else sources_SBTD.shape)
@@ -272,20 +272,38 @@ def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=
     return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*args)
 
 
-def xla_route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD):
-    """`routing.route_prefix` (phase one of two-phase routing: K queries, one read of the buffer),
-    on each device's slice of D inside `jax.shard_map` where the logical rules split it (`xla_route`)."""
+def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl: str = "xla",
+                 interpret: bool = False, eps: float = routing.NORM_EPS):
+    """Phase one of two-phase routing (K queries, one read of the buffer): (out_KBTD, lse_KBT).
+    impl "xla": `routing.route_prefix`, on each device's slice of D inside `jax.shard_map` where the
+    logical rules split it (`xla_route`); otherwise the fused K-query kernel
+    (kernels_pallas.depth_route.route_prefix, which renormalises the sources itself), tokens split
+    over the batch's mesh axes and D whole (`kernel_route`, also for interpret mode's check_vma)."""
+    valid_KS = jnp.asarray(valid_KS, bool)
+    P = jax.sharding.PartitionSpec
+    if impl != "xla":
+        from kernels_pallas.depth_route import route_prefix as fused  # noqa: PLC0415 - optional fast path
+
+        def route(sources, valid, query, gain):
+            return fused(sources, valid, query, gain, implementation=impl, interpret=interpret, eps=eps)
+
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1:
+            return route(sources_SBTD, valid_KS, query_KD, gain_KD)
+        sbtd = shard_spec(mesh, SOURCES_AXES[:3] + (None,), sources_SBTD.shape)  # D whole
+        kbtd, kbt = P(None, *sbtd[1:]), P(None, *sbtd[1:3])
+        return jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P()), out_specs=(kbtd, kbt),
+                             check_vma=not interpret)(sources_SBTD, valid_KS, query_KD, gain_KD)
     split = _d_split(sources_SBTD.shape)
-    args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_KS, bool), query_KD, gain_KD)
+    args = (sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD)
     if split is None:
         return routing.route_prefix(*args)
     mesh, sbtd = split
-    P = jax.sharding.PartitionSpec
     batch, model_axes = sbtd[1], sbtd[3]
     kd, kbt = P(None, model_axes), P(None, batch, None)
     specs = (sbtd, kbt, P(), kd, kd)
-    route = functools.partial(routing.route_prefix, model_axis=model_axes)
-    return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(P(None, batch, None, model_axes), kbt))(*args)
+    fn = functools.partial(routing.route_prefix, model_axis=model_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(None, batch, None, model_axes), kbt))(*args)
 
 
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
@@ -309,5 +327,7 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
     P = jax.sharding.PartitionSpec
     sbtd = shard_spec(mesh, SOURCES_AXES[:3] + (None,), sources_SBTD.shape)  # D whole
     btd = P(*sbtd[1:])
-    fn = jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P(), btd), out_specs=btd)
+    # check_vma off in interpret mode: Pallas' HLO interpreter slices varying blocks with unvarying
+    # indices, which the check rejects (jax 0.10); the compiled kernels keep it
+    fn = jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P(), btd), out_specs=btd, check_vma=not interpret)
     return fn(sources_SBTD, valid, query_D, gain_D, residual_BTD)

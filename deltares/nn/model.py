@@ -122,7 +122,8 @@ class Transformer(nn.Module):
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
             grouped = two_phase(cfg) and not return_stats  # statistics need every weight: one pass per sublayer
             state, stats = depth_scan(layer_fn, params_L, state, plan, unroll=cfg.scan_unroll, eps=cfg.norm_eps,
-                                      queries_fn=layer_queries if grouped else None)
+                                      queries_fn=layer_queries if grouped else None, impl=cfg.residual.impl,
+                                      interpret=cfg.residual.interpret)
         else:
             state, stats, _ = self._layers(self._layer_class(), state, cos_TE, sin_TE, return_stats)
 

@@ -140,7 +140,8 @@ def plan_for(model_cfg) -> ResidualPlan:
 
 def two_phase(model_cfg) -> bool:
     """Whether a `config.model` trains with two-phase grouped routing: the store-once depth pass
-    (routed, scanned layers, remat) with XLA routing and `residual.group_layers` > 0."""
+    (routed, scanned layers, remat) with `residual.group_layers` > 0; phase one runs in
+    `residual.impl` (XLA or the fused K-query kernel), the merges in XLA."""
     res = model_cfg.residual
     return (res.mode != "baseline" and model_cfg.scan_layers and model_cfg.remat != "none"
-            and res.impl == "xla" and res.group_layers > 0)
+            and res.group_layers > 0)

@@ -75,7 +75,8 @@ def _backend(impl: str):
     return module
 
 
-def _resolve(implementation, interpret, N, D, dtype) -> str:
+def _resolve(implementation, interpret, N, D, dtype, K=None) -> str:
+    """The implementation to run: `K` queries for phase one (`route_prefix`), None for `depth_route`."""
     platform = target_platform()
     impl = implementation
     if impl == "pallas":
@@ -86,9 +87,10 @@ def _resolve(implementation, interpret, N, D, dtype) -> str:
     if not interpret and platform != want:
         reason = f"it compiles for {want} only (or runs with interpret=True), the target is {platform}"
     else:
-        reason = _backend(impl).unsupported(N, D, dtype)
+        backend = _backend(impl)
+        reason = backend.unsupported(N, D, dtype) if K is None else backend.prefix_unsupported(N, D, dtype, K)
     if reason:
-        _warn_once(f"depth_route: {impl} cannot run ({reason}); using the xla implementation")
+        _warn_once(f"{'depth_route' if K is None else 'route_prefix'}: {impl} cannot run ({reason}); using the xla implementation")
         return "xla"
     return impl
 
@@ -157,3 +159,60 @@ def depth_route(sources, valid, query, gain, residual=None, *, implementation="p
     cfg = (impl, float(eps), interpret, None if residual is None else jnp.dtype(residual.dtype).name)
     out_ND = _route(cfg, *args)
     return out_ND.reshape(B, T, D)
+
+
+# ----------------------------------------------------------------------------- phase one: K queries, one read
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _prefix(cfg, src_SND, valid_S, bias_SK, q_KD):
+    return _prefix_fwd(cfg, src_SND, valid_S, bias_SK, q_KD)[0]
+
+
+def _prefix_fwd(cfg, src_SND, valid_S, bias_SK, q_KD):
+    impl, eps, interpret = cfg
+    out_KND, lse_KN = _backend(impl).prefix_forward(src_SND, valid_S, bias_SK, q_KD, eps=eps, interpret=interpret)
+    return (out_KND, lse_KN), (src_SND, valid_S, bias_SK, q_KD, out_KND, lse_KN)
+
+
+def _prefix_bwd(cfg, saved, cotangents):
+    impl, eps, interpret = cfg
+    src_SND, valid_S, bias_SK, q_KD, out_KND, lse_KN = saved
+    dout_KND, dlse_KN = cotangents
+    dout_KND = dout_KND.astype(jnp.float32)
+    c_KN = jnp.sum(dout_KND * out_KND, axis=-1) - dlse_KN  # sum_s a_ks (dout_k . s) - dlse_k
+    ds_SND, dq_KD = _backend(impl).prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, eps=eps,
+                                                   interpret=interpret)
+    return ds_SND, None, None, dq_KD
+
+
+_prefix.defvjp(_prefix_fwd, _prefix_bwd)
+
+
+def route_prefix(sources, valid, queries, gains, *, implementation="pallas", interpret=False, eps=routing.NORM_EPS):
+    """Phase one of two-phase routing: K queries `queries`, `gains` [K, D] over `sources`
+    [S, B, T, D] in one read, query k over the sources of `valid` [K, S] (at least one each).
+    Returns (out [K, B, T, D], lse [K, B, T]), float32: each query's routing and the log-sum-exp
+    of its logits, what `deltares.nn.routing.route_normalized(prefix=)` merges (the oracle is
+    `deltares.nn.routing.route_prefix`, the "xla" implementation). Differentiable in sources,
+    queries and gains; the backward is one more read of the valid sources (writes ds once)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if jnp.ndim(sources) != 4:
+        raise ValueError(f"sources must be [S, B, T, D], got shape {jnp.shape(sources)}")
+    S, B, T, D = sources.shape
+    K = jnp.shape(queries)[0] if jnp.ndim(queries) == 2 else None
+    for name, arr, want in (("queries", queries, (K, D)), ("gains", gains, (K, D)), ("valid", valid, (K, S))):
+        if K is None or jnp.shape(arr) != want:
+            raise ValueError(f"{name} must have shape {('K', D) if K is None else want} (K queries), "
+                             f"got {jnp.shape(arr)}")
+    valid = jnp.asarray(valid, bool)
+    impl = _resolve(implementation, interpret, B * T, D, sources.dtype, K)
+    if impl == "xla":
+        out, lse = routing.route_prefix(sources, routing.inv_rms(sources, eps), valid, queries, gains)
+        return out.astype(jnp.float32), lse.astype(jnp.float32)
+    q_KD = queries.astype(jnp.float32) * gains.astype(jnp.float32)
+    bias_SK = jnp.where(valid.T, 0.0, -jnp.inf).astype(jnp.float32)
+    args = [sources.reshape(S, B * T, D), valid.any(axis=0).astype(jnp.int32), bias_SK, q_KD]
+    args = vary_like(args, frozenset().union(*(varying_axes(x) for x in args)))
+    out_KND, lse_KN = _prefix((impl, float(eps), interpret), *args)
+    return out_KND.reshape(K, B, T, D), lse_KN.reshape(K, B, T)

@@ -169,3 +169,118 @@ def backward(src_SND, valid_S, bias_SN, q_D, lse_N, dout_ND, *, eps, interpret=F
         name="depth_route_bwd",
     )(valid_S, src_SND, q_D, *[a for a in (bias_SN,) if a is not None], lse_N, dout_ND)
     return ds_SND, dq_TD.sum(axis=0)
+
+
+# ----------------------------------------------------------------------------- phase one: K queries, one read
+
+def prefix_block_tokens(N: int, D: int, K: int) -> int:
+    """Rows per program of the K-query kernels: K [rows, next_pow2(D)] accumulators in registers."""
+    return max(1, min(TILE_ELEMS // (K * pl.next_power_of_2(D)), pl.next_power_of_2(N), 64))
+
+
+def prefix_unsupported(N: int, D: int, dtype, K: int) -> str | None:
+    del K
+    return unsupported(N, D, dtype)
+
+
+def _logits_K(x_TD, q_K, bias_ref, s, D, eps):
+    """The K queries' logits [tn] each (bias: -inf where source s is masked for query k), and 1/rms."""
+    inv_T = jax.lax.rsqrt(jnp.sum(x_TD * x_TD, axis=1) / D + eps)
+    raw = [jnp.sum(x_TD * q_D[None, :], axis=1) * inv_T for q_D in q_K]
+    return raw, [z_T + bias_ref[s, k] for k, z_T in enumerate(raw)], inv_T
+
+
+def _prefix_fwd_kernel(valid_ref, src_ref, q_ref, bias_ref, out_ref, lse_ref, *, N, D, tn, K, eps):
+    rows, cols, rmask, cmask, mask = _tile(N, D, tn)
+    q_K = [plgpu.load(q_ref.at[k, cols], mask=cmask, other=0.0) for k in range(K)]
+
+    def update(s, carry):
+        x_TD = _load_tile(src_ref, s, rows, cols, mask)
+        _, z_K, _ = _logits_K(x_TD, q_K, bias_ref, s, D, eps)
+        new = []
+        for (m_T, l_T, acc_TD), z_T in zip(carry, z_K):
+            new_T = jnp.maximum(m_T, z_T)
+            safe_T = jnp.where(new_T == -jnp.inf, 0.0, new_T)
+            alpha_T, p_T = jnp.exp(m_T - safe_T), jnp.exp(z_T - safe_T)
+            new.append((new_T, alpha_T * l_T + p_T, alpha_T[:, None] * acc_TD + p_T[:, None] * x_TD))
+        return tuple(new)
+
+    def body(s, carry):
+        return jax.lax.cond(valid_ref[s] != 0, functools.partial(update, s), lambda c: c, carry)
+
+    init = tuple((jnp.full((tn,), -jnp.inf, jnp.float32), jnp.zeros((tn,), jnp.float32),
+                  jnp.zeros((tn, cols.shape[0]), jnp.float32)) for _ in range(K))
+    for k, (m_T, l_T, acc_TD) in enumerate(jax.lax.fori_loop(0, src_ref.shape[0], body, init)):
+        plgpu.store(out_ref.at[k, rows[:, None], cols[None, :]], acc_TD * (1.0 / l_T)[:, None], mask=mask)
+        plgpu.store(lse_ref.at[k, rows], m_T + jnp.log(l_T), mask=rmask)
+
+
+def prefix_forward(src_SND, valid_S, bias_SK, q_KD, *, eps, interpret=False):
+    """Phase one: (out [K, N, D] float32, lse [K, N] float32) of K queries over the sources.
+    `valid_S` (int32): sources valid for some query; `bias_SK`: 0 or -inf per (source, query)."""
+    S, N, D = src_SND.shape
+    K = q_KD.shape[0]
+    tn = prefix_block_tokens(N, D, K)
+    kernel = functools.partial(_prefix_fwd_kernel, N=N, D=D, tn=tn, K=K, eps=eps)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(N, tn),),
+        out_shape=[out_struct((K, N, D), jnp.float32, src_SND), out_struct((K, N), jnp.float32, src_SND)],
+        compiler_params=_params(tn, K * D),
+        interpret=interpret,
+        name="depth_route_prefix_fwd",
+    )(valid_S, src_SND, q_KD, bias_SK)
+
+
+def _prefix_bwd_kernel(valid_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout_ref, ds_ref, dq_ref, *, N, D, tn, K,
+                       eps):
+    rows, cols, rmask, cmask, mask = _tile(N, D, tn)
+    q_K = [plgpu.load(q_ref.at[k, cols], mask=cmask, other=0.0) for k in range(K)]
+    lse_K = [plgpu.load(lse_ref.at[k, rows], mask=rmask, other=0.0) for k in range(K)]
+    c_K = [plgpu.load(c_ref.at[k, rows], mask=rmask, other=0.0) for k in range(K)]
+    dout_K = [plgpu.load(dout_ref.at[k, rows[:, None], cols[None, :]], mask=mask, other=0.0) for k in range(K)]
+
+    def grad(s, dq_K):
+        x_TD = _load_tile(src_ref, s, rows, cols, mask)
+        raw_K, z_K, inv_T = _logits_K(x_TD, q_K, bias_ref, s, D, eps)
+        ds_TD, zg_T, new_dq = jnp.zeros_like(x_TD), jnp.zeros_like(inv_T), []
+        for k in range(K):
+            a_T = jnp.exp(z_K[k] - lse_K[k])
+            g_T = a_T * (jnp.sum(dout_K[k] * x_TD, axis=1) - c_K[k]) * inv_T  # dz_k * inv
+            ds_TD = ds_TD + a_T[:, None] * dout_K[k] + g_T[:, None] * q_K[k][None, :]
+            zg_T = zg_T + g_T * raw_K[k]
+            new_dq.append(dq_K[k] + jnp.sum(g_T[:, None] * x_TD, axis=0))
+        ds_TD = ds_TD - (zg_T * inv_T / D)[:, None] * x_TD
+        plgpu.store(ds_ref.at[s, rows[:, None], cols[None, :]], ds_TD.astype(ds_ref.dtype), mask=mask)
+        return tuple(new_dq)
+
+    def zero(s, dq_K):
+        plgpu.store(ds_ref.at[s, rows[:, None], cols[None, :]], jnp.zeros((tn, cols.shape[0]), ds_ref.dtype),
+                    mask=mask)
+        return dq_K
+
+    def body(s, dq_K):
+        return jax.lax.cond(valid_ref[s] != 0, functools.partial(grad, s), functools.partial(zero, s), dq_K)
+
+    init = tuple(jnp.zeros(cols.shape, jnp.float32) for _ in range(K))
+    for k, dq_D in enumerate(jax.lax.fori_loop(0, src_ref.shape[0], body, init)):
+        plgpu.store(dq_ref.at[pl.program_id(0), k, cols], dq_D, mask=cmask)
+
+
+def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, *, eps, interpret=False):
+    """(ds [S, N, D] in the sources' dtype, dq [K, D] float32) in one read of the valid sources;
+    `c_KN` = dout_k . out_k - dlse_k per token (the softmax's shift, from the forward's output)."""
+    S, N, D = src_SND.shape
+    K = q_KD.shape[0]
+    tn = prefix_block_tokens(N, D, K)
+    nt = pl.cdiv(N, tn)
+    kernel = functools.partial(_prefix_bwd_kernel, N=N, D=D, tn=tn, K=K, eps=eps)
+    ds_SND, dq_TKD = pl.pallas_call(
+        kernel,
+        grid=(nt,),
+        out_shape=[out_struct((S, N, D), src_SND.dtype, src_SND), out_struct((nt, K, D), jnp.float32, src_SND)],
+        compiler_params=_params(tn, K * D),
+        interpret=interpret,
+        name="depth_route_prefix_bwd",
+    )(valid_S, src_SND, q_KD, bias_SK, lse_KN, c_KN, dout_KND)
+    return ds_SND, dq_TKD.sum(axis=0)

@@ -34,10 +34,11 @@ VMEM_BUDGET = 12 * 2**20  # estimated VMEM per kernel, under the 16 MiB default 
 MAX_TOKENS = 1024
 
 
-def block_tokens(N: int, D: int, itemsize: int) -> int | None:
+def block_tokens(N: int, D: int, itemsize: int, per_row: int | None = None) -> int | None:
     """Tokens per tile: the largest divisor of N (a multiple of the sublane packing) whose
-    blocks, double-buffered, plus the float32 accumulator and temporaries fit VMEM_BUDGET."""
-    per_row = D * (6 * itemsize + 24)
+    blocks, double-buffered, plus the float32 accumulator and temporaries fit VMEM_BUDGET
+    (`per_row` bytes per token; by default the single-query kernels')."""
+    per_row = per_row or D * (6 * itemsize + 24)
     cap = max(8, min(MAX_TOKENS, VMEM_BUDGET // per_row))
     if N <= cap:
         return N
@@ -215,3 +216,157 @@ def backward(src_SND, valid_S, bias_SN, q_D, lse, dout_ND, *, eps, interpret=Fal
         name="depth_route_bwd",
     )(valid_S, fetch_index(valid_S), src_SND, q_D.reshape(1, D), *args, lse, dout_ND)
     return ds_SND, dq_T1D.sum(axis=(0, 1))
+
+
+# ----------------------------------------------------------------------------- phase one: K queries, one read
+
+def prefix_block_tokens(N: int, D: int, itemsize: int, K: int) -> int | None:
+    """Tokens per tile of the K-query kernels: their K float32 [tn, D] blocks (output, or dout in
+    the backward), double-buffered, bound the tile, beside the source blocks and temporaries."""
+    return block_tokens(N, D, itemsize, per_row=D * (4 * itemsize + 8 * K + 16))
+
+
+def prefix_unsupported(N: int, D: int, dtype, K: int) -> str | None:
+    if prefix_block_tokens(N, D, jnp.dtype(dtype).itemsize, K) is None:
+        return f"no token tile divides B*T={N} within the VMEM budget at D={D} with {K} queries"
+    return None
+
+
+def _logits_TK(x_TD, q_KD, eps):
+    """Raw logits [tn, K] of K queries (one matmul) and 1/rms(x) [tn, 1], float32."""
+    inv_T1 = jax.lax.rsqrt(jnp.mean(x_TD * x_TD, axis=-1, keepdims=True) + eps)
+    dots_TK = jax.lax.dot_general(x_TD, q_KD, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                  preferred_element_type=jnp.float32)
+    return dots_TK * inv_T1, inv_T1
+
+
+def _prefix_fwd_kernel(valid_ref, idx_ref, src_ref, q_ref, bias_ref, out_ref, lse_ref, m_ref, l_ref, *, eps, K):
+    """out_ref (resident across the source axis) is the K float32 accumulators itself."""
+    del idx_ref
+    s = pl.program_id(1)
+
+    @pl.when(s == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        out_ref[...] = jnp.zeros(out_ref.shape, jnp.float32)
+
+    @pl.when(valid_ref[s] != 0)
+    def _update():
+        x_TD = src_ref[...].astype(jnp.float32)
+        z_TK, _ = _logits_TK(x_TD, q_ref[...], eps)
+        z_TK = z_TK + bias_ref[...]  # -inf where source s is masked for query k
+        m_TK = m_ref[...]
+        new_TK = jnp.maximum(m_TK, z_TK)
+        safe_TK = jnp.where(new_TK == -jnp.inf, 0.0, new_TK)  # query k has no valid source yet
+        alpha_TK, p_TK = jnp.exp(m_TK - safe_TK), jnp.exp(z_TK - safe_TK)
+        l_ref[...] = alpha_TK * l_ref[...] + p_TK
+        for k in range(K):
+            out_ref[k] = alpha_TK[:, k:k + 1] * out_ref[k] + p_TK[:, k:k + 1] * x_TD
+        m_ref[...] = new_TK
+
+    @pl.when(s == pl.num_programs(1) - 1)
+    def _finish():
+        l_TK = l_ref[...]
+        inv_l_TK = 1.0 / l_TK
+        for k in range(K):
+            out_ref[k] = out_ref[k] * inv_l_TK[:, k:k + 1]
+        lse_ref[...] = m_ref[...] + jnp.log(l_TK)
+
+
+def _prefix_specs(S, K, D, tn):
+    source = pl.BlockSpec((SQ, tn, D), lambda i, s, v, f: (f[s], i, 0))
+    queries = pl.BlockSpec((K, D), lambda i, s, v, f: (0, 0))
+    bias = pl.BlockSpec((SQ, 1, K), lambda i, s, v, f: (s, 0, 0))
+    per_query = pl.BlockSpec((K, tn, D), lambda i, s, v, f: (0, i, 0))
+    per_token = pl.BlockSpec((tn, K), lambda i, s, v, f: (i, 0))
+    return source, queries, bias, per_query, per_token
+
+
+def prefix_forward(src_SND, valid_S, bias_SK, q_KD, *, eps, interpret=False):
+    """Phase one: (out [K, N, D] float32, lse [K, N] float32) of K queries over the sources.
+    `valid_S` (int32): sources valid for some query; `bias_SK`: 0 or -inf per (source, query)."""
+    S, N, D = src_SND.shape
+    K = q_KD.shape[0]
+    tn = prefix_block_tokens(N, D, src_SND.dtype.itemsize, K)
+    source, queries, bias, per_query, per_token = _prefix_specs(S, K, D, tn)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(N // tn, S),
+        in_specs=[source, queries, bias],
+        out_specs=[per_query, per_token],
+        scratch_shapes=[pltpu.VMEM((tn, K), jnp.float32), pltpu.VMEM((tn, K), jnp.float32)],
+    )
+    nbytes = src_SND.dtype.itemsize * S * N * D + 4 * K * N * D
+    out_KND, lse_NK = pl.pallas_call(
+        functools.partial(_prefix_fwd_kernel, eps=eps, K=K),
+        grid_spec=grid_spec,
+        out_shape=[out_struct((K, N, D), jnp.float32, src_SND), out_struct((N, K), jnp.float32, src_SND)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=(4 * K + 3) * S * N * D, transcendentals=(2 * K + 1) * S * N,
+                                      bytes_accessed=nbytes),
+        interpret=interpret,
+        name="depth_route_prefix_fwd",
+    )(valid_S, fetch_index(valid_S), src_SND, q_KD, bias_SK.reshape(S, 1, K))
+    return out_KND, lse_NK.T  # the kernel keeps tokens on sublanes, K on lanes
+
+
+def _prefix_bwd_kernel(valid_ref, idx_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout_ref, ds_ref, dq_ref, *,
+                       eps, K):
+    del idx_ref
+    s, D = pl.program_id(1), src_ref.shape[-1]
+
+    @pl.when(s == 0)
+    def _init():
+        dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+
+    @pl.when(valid_ref[s] != 0)
+    def _grad():
+        x_TD = src_ref[...].astype(jnp.float32)
+        q_KD = q_ref[...]
+        z_TK, inv_T1 = _logits_TK(x_TD, q_KD, eps)
+        a_TK = jnp.exp(z_TK + bias_ref[...] - lse_ref[...])
+        ds_TD = jnp.zeros(x_TD.shape, jnp.float32)
+        zg_T1 = jnp.zeros(inv_T1.shape, jnp.float32)
+        for k in range(K):
+            a_T1, dout_TD = a_TK[:, k:k + 1], dout_ref[k]
+            da_T1 = jnp.sum(dout_TD * x_TD, axis=-1, keepdims=True)
+            g_T1 = a_T1 * (da_T1 - c_ref[:, k:k + 1]) * inv_T1  # dz_k * inv
+            ds_TD = ds_TD + a_T1 * dout_TD + g_T1 * q_KD[k:k + 1, :]
+            zg_T1 = zg_T1 + g_T1 * z_TK[:, k:k + 1]
+            dq_ref[k:k + 1, :] += jnp.sum(g_T1 * x_TD, axis=0, keepdims=True)
+        ds_ref[...] = (ds_TD - (zg_T1 * inv_T1 / D) * x_TD).astype(ds_ref.dtype)
+
+    @pl.when(valid_ref[s] == 0)
+    def _zero():
+        ds_ref[...] = jnp.zeros(ds_ref.shape, ds_ref.dtype)
+
+
+def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, *, eps, interpret=False):
+    """(ds [S, N, D] in the sources' dtype, dq [K, D] float32) in one read of the valid sources;
+    `c_KN` = dout_k . out_k - dlse_k per token (the softmax's shift, from the forward's output)."""
+    S, N, D = src_SND.shape
+    K = q_KD.shape[0]
+    tn = prefix_block_tokens(N, D, src_SND.dtype.itemsize, K)
+    nt = N // tn
+    source, queries, bias, per_query, per_token = _prefix_specs(S, K, D, tn)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(nt, S),
+        in_specs=[source, queries, bias, per_token, per_token, per_query],
+        out_specs=[pl.BlockSpec((SQ, tn, D), lambda i, s, v, f: (s, i, 0)),
+                   pl.BlockSpec((SQ, K, D), lambda i, s, v, f: (i, 0, 0))],
+    )
+    nbytes = src_SND.dtype.itemsize * 2 * S * N * D + 4 * K * N * D
+    ds_SND, dq_TKD = pl.pallas_call(
+        functools.partial(_prefix_bwd_kernel, eps=eps, K=K),
+        grid_spec=grid_spec,
+        out_shape=[out_struct((S, N, D), src_SND.dtype, src_SND), out_struct((nt, K, D), jnp.float32, src_SND)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=(10 * K + 4) * S * N * D, transcendentals=(K + 1) * S * N,
+                                      bytes_accessed=nbytes),
+        interpret=interpret,
+        name="depth_route_prefix_bwd",
+    )(valid_S, fetch_index(valid_S), src_SND, q_KD, bias_SK.reshape(S, 1, K), lse_KN.T, c_KN.T,
+      dout_KND)
+    return ds_SND, dq_TKD.sum(axis=0)

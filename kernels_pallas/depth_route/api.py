@@ -24,14 +24,18 @@ A kernel that cannot run (another platform without interpret=True, or shapes it 
 falls back to xla with a one-time warning. Under `jax.jit` with sharded inputs a Pallas call
 is not partitioned by XLA: call it inside `jax.shard_map` (tokens split, D whole).
 
-Two-phase routing (Kimi; built in XLA as `deltares.nn.routing.route_prefix` and the merge of
-`route_normalized(prefix=)`, not yet as a kernel here): pseudo-queries do not depend on the input, so
-for the K sublayers of a block the logits against the sources completed before the block are
-one [K, D] x [S, tokens, D] product, and their K online softmaxes one pass over those sources
-(K accumulators per tile, K lse). Each sublayer then merges that partial result with its
-intra-block sources through the lse (softmax merge: out = (e^{lse1} o1 + e^{lse2} o2) /
-(e^{lse1} + e^{lse2})). It divides source reads by K; the kernel here is its K = 1 case, and
-its lse output is what the merge needs.
+Two-phase routing (Kimi; DESIGN.md section 5): pseudo-queries do not depend on the input, so for
+the K sublayers of a group the routing over the sources completed before the group is one read
+of those sources: `route_prefix(sources, valid [K, S], queries [K, D], gains [K, D])` returns
+each query's routed output and log-sum-exp (float32; the oracle is
+`deltares.nn.routing.route_prefix`). Its kernels keep K online softmaxes per token tile (on TPU
+the logits of the K queries are one matmul per source tile, the K float32 accumulators are the
+output block itself), and the backward reads the valid sources once more: with
+c_k = dout_k . out_k - dlse_k from the saved output,
+    ds = sum_k [a_k dout_k + dz_k inv (q_k - z_k inv s / D)],  dz_k = a_k (dout_k . s - c_k).
+Each sublayer then merges that result with its few intra-group sources through the lse
+(`route_normalized(prefix=)`, in XLA): out = (e^{lse1} o1 + e^{lse2} o2) / (e^{lse1} + e^{lse2}).
+It divides source reads by K.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     python -m kernels_pallas.depth_route.bench                     # all shapes, bfloat16
     python -m kernels_pallas.depth_route.bench --shapes 1044m_s73 --dtype float32 --iters 50
+    python -m kernels_pallas.depth_route.bench --shapes 1044m_s73 --queries 8   # two-phase's phase one
 
 Per shape, a markdown table: forward and forward+backward times of the XLA reference and of
 the kernel, and the floor set by the bytes that must move at the bandwidth of a large device
@@ -9,16 +10,19 @@ copy measured at the start. Forward: read S sources and the residual, write the 
 backward: read S sources and dout, write S source gradients (the residual's is dout itself).
 On a CPU the token count is scaled down (to --cpu_tokens) and the kernel is skipped, since
 interpret mode is no speed measurement, unless --implementation forces it (then in interpret mode).
+With --queries K the routing timed is phase one of two-phase routing (`route_prefix`: K queries
+over the S sources; forward writes K float32 outputs, backward reads dout and writes S gradients).
 
 Then the train step (deltares.bench: forward, backward and AdamW update) of the 1044M model
 (experiments/s1044m.py, bf16, remat full) for baseline, delta_block and delta, with routing by
-XLA and by the kernel, relative to baseline; `--train_layers` fewer layers when memory is short.
+XLA, by the kernel, and by the kernel two-phase (`--train_group_layers`), relative to baseline; `--train_layers` fewer layers when memory is short.
 Skipped on a CPU unless --train_step is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -72,22 +76,48 @@ def programs(route):
     return fwd, jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
 
 
-def bench_shape(name, S, N, D, dtype, impl, interpret, iters, bandwidth, note=""):
+def prefix_programs(route, K):
+    """`programs` for phase one: K queries (and gains) [K, D] over the sources, no residual."""
+
+    def prefix(sources, valid, query, gain, residual):
+        del residual
+        out, lse = route(sources, jnp.ones((K, sources.shape[0]), bool), jnp.tile(query, (K, 1)),
+                         jnp.tile(gain, (K, 1)))
+        return out.sum(axis=0) + lse.sum(axis=0)[..., None]
+
+    return programs(prefix)
+
+
+def bench_shape(name, S, N, D, dtype, impl, interpret, iters, bandwidth, note="", queries=0):
     itemsize = jnp.dtype(dtype).itemsize
-    fwd_bytes = (S + 2) * N * D * itemsize
-    bwd_bytes = (2 * S + 1) * N * D * itemsize
+    if queries:  # phase one: read S, write K float32 outputs; backward: read S and dout, write S
+        fwd_bytes = S * N * D * itemsize + 4 * queries * N * D
+        bwd_bytes = 2 * S * N * D * itemsize + 4 * queries * N * D
+    else:
+        fwd_bytes = (S + 2) * N * D * itemsize
+        bwd_bytes = (2 * S + 1) * N * D * itemsize
     args = make_args(S, N, D, dtype)
     rows = [("floor (bytes / copy bandwidth)", fwd_bytes / bandwidth, (fwd_bytes + bwd_bytes) / bandwidth)]
-    fwd, both = programs(lambda *a: reference.depth_route(*a))
+
+    def build(implementation):
+        if queries:
+            return prefix_programs(functools.partial(api.route_prefix, implementation=implementation,
+                                                     interpret=interpret), queries)
+        if implementation == "xla":
+            return programs(lambda *a: reference.depth_route(*a))
+        return programs(lambda *a: api.depth_route(*a, implementation=implementation, interpret=interpret))
+
+    fwd, both = build("xla")
     rows.append(("xla reference", timeit(fwd, args, iters), timeit(both, args, iters)))
     if impl is None:
         rows.append((f"kernel: {note}", None, None))
     else:
-        fwd, both = programs(lambda *a: api.depth_route(*a, implementation=impl, interpret=interpret))
+        fwd, both = build(impl)
         label = f"{impl}{' (interpret mode)' if interpret else ''}"
         rows.append((label, timeit(fwd, args, iters), timeit(both, args, iters)))
     floor_fwd, floor_both = rows[0][1], rows[0][2]
-    print(f"\n### {name}: S={S}, B*T={N}, D={D}, {jnp.dtype(dtype).name}\n")
+    what = f"phase one, K={queries} queries, " if queries else ""
+    print(f"\n### {name}: {what}S={S}, B*T={N}, D={D}, {jnp.dtype(dtype).name}\n")
     print(f"forward moves {fwd_bytes / 1e6:.1f} MB, backward {bwd_bytes / 1e6:.1f} MB\n")
     print("| implementation | forward ms | x floor | fwd+bwd ms | x floor |")
     print("|---|---:|---:|---:|---:|")
@@ -108,11 +138,17 @@ def main(argv=None):
                         help="kernel to time (default: the platform's; on CPU none, unless given here)")
     parser.add_argument("--cpu_tokens", type=int, default=1024, help="B*T used on a CPU (default 1024)")
     parser.add_argument("--small", action="store_true", help="use --cpu_tokens on any platform")
+    parser.add_argument("--queries", type=int, default=0,
+                        help="time phase one of two-phase routing with this many queries (default 0: depth_route)")
     parser.add_argument("--train_step", action="store_true", help="also time the train step on a CPU")
     parser.add_argument("--train_layers", type=int, default=36, help="layers of the 1044M model in the train step")
     parser.add_argument("--train_batch", type=int, default=8, help="sequences per train step")
     parser.add_argument("--train_seq", type=int, default=2048, help="tokens per sequence in the train step")
+    parser.add_argument("--train_group_layers", type=int, default=4,
+                        help="residual.group_layers of the two-phase kernel rows (default 4; 0 leaves them out)")
     args = parser.parse_args(argv)
+    if args.queries < 0 or args.train_group_layers < 0:
+        parser.error("--queries and --train_group_layers must be non-negative")
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
@@ -138,15 +174,17 @@ def main(argv=None):
     for name in args.shapes.split(","):
         S, N, D = SHAPES[name]
         bench_shape(name, S, args.cpu_tokens if scale else N, D, jnp.dtype(args.dtype), impl, interpret, iters,
-                    bandwidth, note)
+                    bandwidth, note, args.queries)
     if on_cpu and not args.train_step:
         print("\ntrain step: skipped on CPU (--train_step runs it, with --train_layers/--train_batch/--train_seq)")
         return
-    train_step_table(args.train_layers, args.train_batch, args.train_seq, impl if impl else "pallas", interpret)
+    train_step_table(args.train_layers, args.train_batch, args.train_seq, impl if impl else "pallas", interpret,
+                     args.train_group_layers)
 
 
-def train_step_table(layers: int, batch: int, seq_len: int, impl: str, interpret: bool) -> None:
-    """Train-step time of baseline, delta_block and delta at 1044M, routing by XLA and by the kernel."""
+def train_step_table(layers: int, batch: int, seq_len: int, impl: str, interpret: bool, group_layers: int = 4) -> None:
+    """Train-step time of baseline, delta_block and delta at 1044M, routing by XLA, by the kernel, and by
+    the kernel two-phase in groups of up to `group_layers` layers (0: not timed)."""
     import importlib.util  # noqa: PLC0415
     import os  # noqa: PLC0415
 
@@ -163,14 +201,16 @@ def train_step_table(layers: int, batch: int, seq_len: int, impl: str, interpret
           f"(median of 3 rounds x 3 steps):")
     base_ms = None
     print("| mode | routing | step ms | vs baseline |\n|---|---|---|---|")
-    for routing_impl in ("xla", impl):
-        cfg.model.residual.update(impl=routing_impl, interpret=interpret and routing_impl != "xla")
+    variants = [("xla", 0), (impl, 0)] + ([(impl, group_layers)] if group_layers else [])
+    for routing_impl, group in variants:
+        cfg.model.residual.update(impl=routing_impl, interpret=interpret and routing_impl != "xla", group_layers=group)
         modes = ["baseline", "delta_block", "delta"] if base_ms is None else ["delta_block", "delta"]
         results = bench.benchmark(cfg, modes, batch, seq_len, rounds=3, steps=3)
+        label = f"{routing_impl}, two-phase (group_layers={group})" if group else routing_impl
         for mode, r in results.items():
             ms = statistics.median(r.step_s) * 1e3
             base_ms = ms if mode == "baseline" else base_ms
-            print(f"| {mode} | {'-' if mode == 'baseline' else routing_impl} | {ms:.1f} | {ms / base_ms:.3f}x |")
+            print(f"| {mode} | {'-' if mode == 'baseline' else label} | {ms:.1f} | {ms / base_ms:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -194,7 +194,7 @@ def test_gpu_kernel_lowers_to_triton_for_cuda(D):
         out, lse = pallas_gpu.forward(src, valid, bias, q, res, eps=1e-6)
         out_K, lse_K = pallas_gpu.prefix_forward(src, valid, bias_SK, q_KD, eps=1e-6)
         return (out, pallas_gpu.backward(src, valid, bias, q, lse, dout, eps=1e-6), out_K,
-                pallas_gpu.prefix_backward(src, valid, bias_SK, q_KD, lse_K, lse_K, dout_KND, eps=1e-6))
+                pallas_gpu.prefix_backward(src, valid, bias_SK, q_KD, lse_K, lse_K, dout_KND, src, eps=1e-6))
 
     args = (sds((S, N, D), jnp.bfloat16), sds((S,), jnp.int32), sds((S, N), jnp.float32), sds((D,), jnp.float32),
             sds((N, D), jnp.bfloat16), sds((N, D), jnp.bfloat16), sds((S, K), jnp.float32), sds((K, D), jnp.float32),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.depth_route import api, pallas_gpu, pallas_tpu, route_prefix
+from kernels_pallas.depth_route import api, pallas_gpu, pallas_tpu, route_prefix, route_prefix_grad_into
 
 KERNELS = ("pallas_tpu", "pallas_gpu")
 EPS = 1e-6
@@ -133,6 +133,32 @@ def test_each_query_routes_over_its_own_sources_across_tiles(impl, monkeypatch):
     for name, g, w in zip(("sources", "queries", "gains"), grads, want):
         assert_close(g, w, 1e-5, name)
     assert np.all(np.asarray(grads[0][2]) == 0)  # the dead source
+
+
+@pytest.mark.parametrize("impl", KERNELS + ("xla",))
+def test_grad_into_adds_the_source_cotangent_in_place(impl, monkeypatch):
+    """`route_prefix_grad_into` (the backward the grouped depth pass uses with a kernel): given the
+    forward's output and cotangents, it returns acc + d sources and the query and gain cotangents of
+    the float64 reference; a slot no query reads comes back bit for bit as it went in (the kernels
+    never touch it)."""
+    monkeypatch.setattr(pallas_tpu, "MAX_TOKENS", 8)
+    interpret = pltpu.InterpretParams() if impl == "pallas_tpu" else True
+    S, B, T, D, K = 5, 2, 8, 32, 3
+    sources, valid, queries, gains = make_case(S, B, T, D, K, jnp.float32, seed=11, dead_source=1)
+    ct_out, ct_lse = cotangents(K, B, T, D)
+    acc = np.random.default_rng(5).normal(size=sources.shape).astype(np.float32)
+    f32 = [jnp.asarray(a, jnp.float32) for a in (sources, queries, gains, ct_out, ct_lse)]
+    out, lse = route_prefix(f32[0], valid, f32[1], f32[2], implementation=impl, interpret=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel ran: no fallback to xla
+        got_acc, d_queries, d_gains = jax.jit(lambda *a: route_prefix_grad_into(
+            *a, implementation=impl, interpret=interpret))(jnp.asarray(acc), f32[0], valid, f32[1], f32[2], out, lse,
+                                                           f32[3], f32[4])
+    want = reference_grads(sources, valid, queries, gains)
+    assert_close(np.asarray(got_acc, np.float64) - acc, want[0], 1e-5, "acc + d sources")
+    assert_close(d_queries, want[1], 1e-5, "queries")
+    assert_close(d_gains, want[2], 1e-5, "gains")
+    np.testing.assert_array_equal(np.asarray(got_acc)[1], acc[1])  # the dead slot: untouched
 
 
 def test_default_on_cpu_is_xla_and_a_kernel_that_cannot_run_falls_back():

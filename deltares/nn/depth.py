@@ -218,8 +218,12 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     is two-phase over groups of `plan.group_layers` layers (`_grouped_forward`): `layer_fn` is then
     also called with `prefix=` a `Prefix` of the layer's two sublayers (leading axis 2). Phase one
     routes with `impl` (`layers.route_prefix`: xla or the fused K-query kernel, `interpret` for tests)."""
-    group_prefix = None if queries_fn is None else functools.partial(_group_prefix, queries_fn, impl=impl,
-                                                                     interpret=interpret, eps=eps)
+    group_prefix = prefix_grad = None
+    if queries_fn is not None:
+        group_prefix = functools.partial(_group_prefix, queries_fn, impl=impl, interpret=interpret, eps=eps)
+        if impl != "xla":  # the kernel adds phase one's source cotangent into the buffer's, in place
+            prefix_grad = functools.partial(_group_prefix_grad_into, queries_fn, impl=impl, interpret=interpret,
+                                            eps=eps)
 
     def forward(params_L, state):
         if group_prefix is not None:
@@ -239,7 +243,8 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
         params_L, h_L, final = residuals
         d_final, _ = cotangents  # statistics carry no gradient
         if group_prefix is not None:
-            return _grouped_backward(layer_fn, group_prefix, params_L, h_L, final, d_final, plan, unroll, eps)
+            return _grouped_backward(layer_fn, group_prefix, params_L, h_L, final, d_final, plan, unroll, eps,
+                                     prefix_grad)
         return _sublayer_backward(layer_fn, params_L, h_L, final, d_final, plan, unroll, eps)
 
     @jax.custom_vjp
@@ -342,17 +347,37 @@ def sublayer_prefix(prefix: Prefix | None, k: int) -> Prefix | None:
     return prefix._replace(out_BTD=prefix.out_BTD[k], lse_BT=prefix.lse_BT[k])
 
 
+def _group_queries(queries_fn, params_G, plan: ResidualPlan, first_layer, n: int):
+    """The 2n queries and gains [2n, D] of the n layers from `first_layer`, and their sources [2n, S]."""
+    query_N2D, gain_N2D = jax.vmap(queries_fn)(params_G)
+    D = query_N2D.shape[-1]
+    valid_KS = jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
+    return valid_KS, query_N2D.reshape(2 * n, D), gain_N2D.reshape(2 * n, D)
+
+
 def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: ResidualPlan, first_layer, n: int, *,
                   impl: str, interpret: bool, eps: float):
     """Phase one for the n layers from `first_layer`: their 2n queries over the slots completed
     before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
     from deltares.nn.layers import route_prefix  # noqa: PLC0415 - layers imports the routing math only
 
-    query_N2D, gain_N2D = jax.vmap(queries_fn)(params_G)
-    D = query_N2D.shape[-1]
-    valid_KS = jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
-    return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_N2D.reshape(2 * n, D), gain_N2D.reshape(2 * n, D),
-                        impl=impl, interpret=interpret, eps=eps)
+    valid_KS, query_KD, gain_KD = _group_queries(queries_fn, params_G, plan, first_layer, n)
+    return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, impl=impl, interpret=interpret, eps=eps)
+
+
+def _group_prefix_grad_into(queries_fn, params_G, sources_SBTD, plan: ResidualPlan, first_layer, n: int, out, lse,
+                            d_out, d_lse, d_sources_SBTD, *, impl: str, interpret: bool, eps: float):
+    """Phase one's VJP by the fused kernel: (d params_G, d_sources + phase one's source cotangent,
+    added in place). The kernel renormalises the sources itself: no 1/rms cotangent."""
+    from deltares.nn.layers import route_prefix_grad_into  # noqa: PLC0415 - layers imports the routing math only
+
+    valid_KS = _group_queries(queries_fn, params_G, plan, first_layer, n)[0]
+    (query_KD, gain_KD), queries_vjp = jax.vjp(lambda p: _group_queries(queries_fn, p, plan, first_layer, n)[1:],
+                                               params_G)
+    d_sources_SBTD, d_query_KD, d_gain_KD = route_prefix_grad_into(
+        d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gain_KD, out, lse, d_out, d_lse, impl=impl,
+        interpret=interpret, eps=eps)
+    return queries_vjp((d_query_KD, d_gain_KD))[0], d_sources_SBTD
 
 
 def _groups(plan: ResidualPlan, params_L):
@@ -406,7 +431,7 @@ def _grouped_forward(layer_fn, group_prefix, params_L, state: DepthState, plan: 
 
 
 def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, d_final: DepthState,
-                      plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS):
+                      plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS, prefix_grad=None):
     """The backward pass of two-phase routing, group by group in reverse (`_sublayer_backward` is
     the ungrouped one; the slot bookkeeping is the same). Per group: phase one is recomputed on
     the final buffer under `jax.vjp`; the sublayers walk in reverse, each differentiated alone
@@ -414,7 +439,8 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
     prefix cotangents of all of them go through phase one's VJP once, which is the only place
     the group adds to the cotangent of the buffer (slots before the group). The window's
     cotangent (per-sublayer modes: slots written and read inside the group) is consumed by the
-    slots' writers in the same walk."""
+    slots' writers in the same walk. With `prefix_grad` (a fused kernel, `_group_prefix_grad_into`)
+    phase one is recomputed without a VJP and its backward adds into the buffer's cotangent in place."""
     write = jnp.asarray(plan.write)
     block = plan.mode in BLOCK_MODES
     opens, closes = jnp.asarray(plan.opens_block), jnp.asarray(plan.closes_block)
@@ -424,9 +450,12 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
         d_h, d_sources, d_inv, d_block = carry
         # under checkpoint: the VJP keeps only its inputs (the live final buffer), not a float32
         # copy of the buffer and the weights for the whole walk; phase one is recomputed in it
-        (out, lse), prefix_vjp = jax.vjp(
-            jax.checkpoint(lambda p, s, iv: group_prefix(p, s, iv, plan, first_layer, n)),
-            params_G, final.sources_SBTD, final.inv_rms_SBT)
+        if prefix_grad is None:
+            (out, lse), prefix_vjp = jax.vjp(
+                jax.checkpoint(lambda p, s, iv: group_prefix(p, s, iv, plan, first_layer, n)),
+                params_G, final.sources_SBTD, final.inv_rms_SBT)
+        else:
+            out, lse = group_prefix(params_G, final.sources_SBTD, final.inv_rms_SBT, plan, first_layer, n)
         window = window_inv = None
         if not block:
             window, window_inv = group_window(plan, final, first_layer)
@@ -485,9 +514,15 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
                     d_window, d_window_inv = d_window + d_prefix.window_SBTD, d_window_inv + d_prefix.window_inv_SBT
                 d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
             d_out[i], d_lse[i], d_params[i] = d_out_l, d_lse_l, d_params_l
-        d_params_G, d_src, d_iv = prefix_vjp((jnp.concatenate(d_out), jnp.concatenate(d_lse)))
+        d_out, d_lse = jnp.concatenate(d_out), jnp.concatenate(d_lse)
+        if prefix_grad is None:
+            d_params_G, d_src, d_iv = prefix_vjp((d_out, d_lse))
+            d_sources, d_inv = d_sources + d_src.astype(d_sources.dtype), d_inv + d_iv
+        else:
+            d_params_G, d_sources = prefix_grad(params_G, final.sources_SBTD, plan, first_layer, n, out, lse, d_out,
+                                                d_lse, d_sources)
         d_params_G = jax.tree.map(jnp.add, _stack(d_params), d_params_G)
-        return (d_h, d_sources + d_src.astype(d_sources.dtype), d_inv + d_iv, d_block), d_params_G
+        return (d_h, d_sources, d_inv, d_block), d_params_G
 
     full, firsts, tail = _groups(plan, params_L)
     G = plan.group_layers

@@ -306,6 +306,38 @@ def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(None, batch, None, model_axes), kbt))(*args)
 
 
+def route_prefix_grad_into(d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gain_KD, out_KBTD, lse_KBT, d_out_KBTD,
+                           d_lse_KBT, *, impl: str, interpret: bool = False, eps: float = routing.NORM_EPS):
+    """The fused kernel's VJP of `route_prefix` (impl a kernel), the sources' cotangent added into
+    `d_sources_SBTD` in place (kernels_pallas.depth_route.route_prefix_grad_into): (d_sources, d_query_KD,
+    d_gain_KD). Under a mesh inside `jax.shard_map` with tokens split and D whole, as `route_prefix`."""
+    from kernels_pallas.depth_route import route_prefix_grad_into as fused  # noqa: PLC0415 - optional fast path
+
+    valid_KS = jnp.asarray(valid_KS, bool)
+
+    def grad(d_sources, sources, valid, query, gain, out, lse, d_out, d_lse):
+        return fused(d_sources, sources, valid, query, gain, out, lse, d_out, d_lse, implementation=impl,
+                     interpret=interpret, eps=eps)
+
+    args = (d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gain_KD, out_KBTD, lse_KBT, d_out_KBTD, d_lse_KBT)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return grad(*args)
+    P = jax.sharding.PartitionSpec
+    sbtd = shard_spec(mesh, SOURCES_AXES[:3] + (None,), sources_SBTD.shape)  # D whole
+    kbtd, kbt = P(None, *sbtd[1:]), P(None, *sbtd[1:3])
+    batch = sbtd[1]  # the query and gain cotangents sum over the devices' tokens
+
+    def local(*a):
+        d_src, dq, dg = grad(*a)
+        if batch is not None:
+            dq, dg = jax.lax.psum((dq, dg), batch)
+        return d_src, dq, dg
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(sbtd, sbtd, P(), P(), P(), kbtd, kbt, kbtd, kbt),
+                         out_specs=(sbtd, P(), P()), check_vma=not interpret)(*args)
+
+
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
                  eps: float = routing.NORM_EPS):
     """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of

@@ -32,7 +32,8 @@ each query's routed output and log-sum-exp (float32; the oracle is
 the logits of the K queries are one matmul per source tile, the K float32 accumulators are the
 output block itself), and the backward reads the valid sources once more: with
 c_k = dout_k . out_k - dlse_k from the saved output,
-    ds = sum_k [a_k dout_k + dz_k inv (q_k - z_k inv s / D)],  dz_k = a_k (dout_k . s - c_k).
+    ds = sum_k [a_k dout_k + dz_k inv (q_k - z_k inv s / D)],  dz_k = a_k (dout_k . s - c_k),
+added into a cotangent buffer in place (`route_prefix_grad_into`; the custom VJP passes zeros).
 Each sublayer then merges that result with its few intra-group sources through the lse
 (`route_normalized(prefix=)`, in XLA): out = (e^{lse1} o1 + e^{lse2} o2) / (e^{lse1} + e^{lse2}).
 It divides source reads by K.
@@ -178,27 +179,27 @@ def _prefix_fwd(cfg, src_SND, valid_S, bias_SK, q_KD):
     return (out_KND, lse_KN), (src_SND, valid_S, bias_SK, q_KD, out_KND, lse_KN)
 
 
-def _prefix_bwd(cfg, saved, cotangents):
+def _prefix_grad(cfg, acc_SND, src_SND, valid_S, bias_SK, q_KD, out_KND, lse_KN, dout_KND, dlse_KN):
+    """(acc + d sources, d q) of phase one: the backward kernel, accumulating into `acc_SND`."""
     impl, eps, interpret = cfg
-    src_SND, valid_S, bias_SK, q_KD, out_KND, lse_KN = saved
-    dout_KND, dlse_KN = cotangents
     dout_KND = dout_KND.astype(jnp.float32)
     c_KN = jnp.sum(dout_KND * out_KND, axis=-1) - dlse_KN  # sum_s a_ks (dout_k . s) - dlse_k
-    ds_SND, dq_KD = _backend(impl).prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, eps=eps,
-                                                   interpret=interpret)
+    return _backend(impl).prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, acc_SND, eps=eps,
+                                          interpret=interpret)
+
+
+def _prefix_bwd(cfg, saved, cotangents):
+    src_SND, valid_S, bias_SK, q_KD, out_KND, lse_KN = saved
+    ds_SND, dq_KD = _prefix_grad(cfg, jnp.zeros_like(src_SND), src_SND, valid_S, bias_SK, q_KD, out_KND, lse_KN,
+                                 *cotangents)
     return ds_SND, None, None, dq_KD
 
 
 _prefix.defvjp(_prefix_fwd, _prefix_bwd)
 
 
-def route_prefix(sources, valid, queries, gains, *, implementation="pallas", interpret=False, eps=routing.NORM_EPS):
-    """Phase one of two-phase routing: K queries `queries`, `gains` [K, D] over `sources`
-    [S, B, T, D] in one read, query k over the sources of `valid` [K, S] (at least one each).
-    Returns (out [K, B, T, D], lse [K, B, T]), float32: each query's routing and the log-sum-exp
-    of its logits, what `deltares.nn.routing.route_normalized(prefix=)` merges (the oracle is
-    `deltares.nn.routing.route_prefix`, the "xla" implementation). Differentiable in sources,
-    queries and gains; the backward is one more read of the valid sources (writes ds once)."""
+def _prefix_args(sources, valid, queries, gains, implementation, interpret):
+    """Checks; then (impl, kernel operands [src_SND, valid_S, bias_SK, q_KD] or None for xla)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if jnp.ndim(sources) != 4:
@@ -212,11 +213,51 @@ def route_prefix(sources, valid, queries, gains, *, implementation="pallas", int
     valid = jnp.asarray(valid, bool)
     impl = _resolve(implementation, interpret, B * T, D, sources.dtype, K)
     if impl == "xla":
-        out, lse = routing.route_prefix(sources, routing.inv_rms(sources, eps), valid, queries, gains)
-        return out.astype(jnp.float32), lse.astype(jnp.float32)
+        return impl, None
     q_KD = queries.astype(jnp.float32) * gains.astype(jnp.float32)
     bias_SK = jnp.where(valid.T, 0.0, -jnp.inf).astype(jnp.float32)
-    args = [sources.reshape(S, B * T, D), valid.any(axis=0).astype(jnp.int32), bias_SK, q_KD]
+    return impl, [sources.reshape(S, B * T, D), valid.any(axis=0).astype(jnp.int32), bias_SK, q_KD]
+
+
+def _xla_prefix(sources, valid, queries, gains, eps):
+    out, lse = routing.route_prefix(sources, routing.inv_rms(sources, eps), jnp.asarray(valid, bool), queries, gains)
+    return out.astype(jnp.float32), lse.astype(jnp.float32)
+
+
+def route_prefix(sources, valid, queries, gains, *, implementation="pallas", interpret=False, eps=routing.NORM_EPS):
+    """Phase one of two-phase routing: K queries `queries`, `gains` [K, D] over `sources`
+    [S, B, T, D] in one read, query k over the sources of `valid` [K, S] (at least one each).
+    Returns (out [K, B, T, D], lse [K, B, T]), float32: each query's routing and the log-sum-exp
+    of its logits, what `deltares.nn.routing.route_normalized(prefix=)` merges (the oracle is
+    `deltares.nn.routing.route_prefix`, the "xla" implementation). Differentiable in sources,
+    queries and gains; the backward is one more read of the valid sources (writes ds once)."""
+    impl, args = _prefix_args(sources, valid, queries, gains, implementation, interpret)
+    if args is None:
+        return _xla_prefix(sources, valid, queries, gains, eps)
+    K, (S, B, T, D) = queries.shape[0], sources.shape
     args = vary_like(args, frozenset().union(*(varying_axes(x) for x in args)))
     out_KND, lse_KN = _prefix((impl, float(eps), interpret), *args)
     return out_KND.reshape(K, B, T, D), lse_KN.reshape(K, B, T)
+
+
+def route_prefix_grad_into(d_sources, sources, valid, queries, gains, out, lse, d_out, d_lse, *,
+                           implementation="pallas", interpret=False, eps=routing.NORM_EPS):
+    """`route_prefix`'s VJP with the sources' cotangent added into `d_sources` [S, B, T, D]: given the
+    forward's (out, lse) and their cotangents, returns (d_sources + d sources, d queries, d gains).
+    The kernels write `d_sources` in place (an aliased output), touching only slots some query reads,
+    so a training step needs no second buffer-sized cotangent (what the custom VJP of `route_prefix`
+    must return); "xla" adds `jax.vjp`'s result."""
+    impl, args = _prefix_args(sources, valid, queries, gains, implementation, interpret)
+    if args is None:
+        _, vjp = jax.vjp(lambda s, q, g: _xla_prefix(s, valid, q, g, eps), sources, queries, gains)
+        ds, dq, dg = vjp((d_out.astype(jnp.float32), d_lse.astype(jnp.float32)))
+        return d_sources + ds.astype(d_sources.dtype), dq, dg
+    K, (S, B, T, D) = queries.shape[0], sources.shape
+    ops = [d_sources.reshape(S, B * T, D), *args, out.reshape(K, B * T, D).astype(jnp.float32),
+           lse.reshape(K, B * T).astype(jnp.float32), d_out.reshape(K, B * T, D), d_lse.reshape(K, B * T)]
+    ops = vary_like(ops, frozenset().union(*(varying_axes(x) for x in ops)))
+    acc, src, valid_S, bias_SK, q_KD = ops[:5]
+    ds_SND, dq_KD = _prefix_grad((impl, float(eps), interpret), acc, src, valid_S, bias_SK, q_KD, *ops[5:])
+    gains32, queries32 = gains.astype(jnp.float32), queries.astype(jnp.float32)
+    return (ds_SND.reshape(S, B, T, D).astype(d_sources.dtype), (dq_KD * gains32).astype(queries.dtype),
+            (dq_KD * queries32).astype(gains.dtype))

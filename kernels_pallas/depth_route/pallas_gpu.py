@@ -232,8 +232,9 @@ def prefix_forward(src_SND, valid_S, bias_SK, q_KD, *, eps, interpret=False):
     )(valid_S, src_SND, q_KD, bias_SK)
 
 
-def _prefix_bwd_kernel(valid_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout_ref, ds_ref, dq_ref, *, N, D, tn, K,
-                       eps):
+def _prefix_bwd_kernel(valid_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout_ref, acc_ref, ds_ref, dq_ref, *, N, D,
+                       tn, K, eps):
+    """ds_ref aliases acc_ref's buffer: a valid source's tile becomes acc + ds, an invalid one is not touched."""
     rows, cols, rmask, cmask, mask = _tile(N, D, tn)
     q_K = [plgpu.load(q_ref.at[k, cols], mask=cmask, other=0.0) for k in range(K)]
     lse_K = [plgpu.load(lse_ref.at[k, rows], mask=rmask, other=0.0) for k in range(K)]
@@ -243,7 +244,7 @@ def _prefix_bwd_kernel(valid_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout
     def grad(s, dq_K):
         x_TD = _load_tile(src_ref, s, rows, cols, mask)
         raw_K, z_K, inv_T = _logits_K(x_TD, q_K, bias_ref, s, D, eps)
-        ds_TD, zg_T, new_dq = jnp.zeros_like(x_TD), jnp.zeros_like(inv_T), []
+        ds_TD, zg_T, new_dq = _load_tile(acc_ref, s, rows, cols, mask), jnp.zeros_like(inv_T), []
         for k in range(K):
             a_T = jnp.exp(z_K[k] - lse_K[k])
             g_T = a_T * (jnp.sum(dout_K[k] * x_TD, axis=1) - c_K[k]) * inv_T  # dz_k * inv
@@ -254,33 +255,31 @@ def _prefix_bwd_kernel(valid_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout
         plgpu.store(ds_ref.at[s, rows[:, None], cols[None, :]], ds_TD.astype(ds_ref.dtype), mask=mask)
         return tuple(new_dq)
 
-    def zero(s, dq_K):
-        plgpu.store(ds_ref.at[s, rows[:, None], cols[None, :]], jnp.zeros((tn, cols.shape[0]), ds_ref.dtype),
-                    mask=mask)
-        return dq_K
-
     def body(s, dq_K):
-        return jax.lax.cond(valid_ref[s] != 0, functools.partial(grad, s), functools.partial(zero, s), dq_K)
+        return jax.lax.cond(valid_ref[s] != 0, functools.partial(grad, s), lambda dq: dq, dq_K)
 
     init = tuple(jnp.zeros(cols.shape, jnp.float32) for _ in range(K))
     for k, dq_D in enumerate(jax.lax.fori_loop(0, src_ref.shape[0], body, init)):
         plgpu.store(dq_ref.at[pl.program_id(0), k, cols], dq_D, mask=cmask)
 
 
-def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, *, eps, interpret=False):
-    """(ds [S, N, D] in the sources' dtype, dq [K, D] float32) in one read of the valid sources;
+def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, acc_SND, *, eps, interpret=False):
+    """(acc + ds [S, N, D], dq [K, D] float32) in one read of the valid sources, the sources'
+    gradient added into `acc_SND` in place (aliased: slots no query reads are not touched);
     `c_KN` = dout_k . out_k - dlse_k per token (the softmax's shift, from the forward's output)."""
     S, N, D = src_SND.shape
     K = q_KD.shape[0]
     tn = prefix_block_tokens(N, D, K)
     nt = pl.cdiv(N, tn)
     kernel = functools.partial(_prefix_bwd_kernel, N=N, D=D, tn=tn, K=K, eps=eps)
+    args = (valid_S, src_SND, q_KD, bias_SK, lse_KN, c_KN, dout_KND, acc_SND.astype(src_SND.dtype))
     ds_SND, dq_TKD = pl.pallas_call(
         kernel,
         grid=(nt,),
         out_shape=[out_struct((S, N, D), src_SND.dtype, src_SND), out_struct((nt, K, D), jnp.float32, src_SND)],
+        input_output_aliases={len(args) - 1: 0},
         compiler_params=_params(tn, K * D),
         interpret=interpret,
         name="depth_route_prefix_bwd",
-    )(valid_S, src_SND, q_KD, bias_SK, lse_KN, c_KN, dout_KND)
+    )(*args)
     return ds_SND, dq_TKD.sum(axis=0)

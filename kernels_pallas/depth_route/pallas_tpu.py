@@ -311,8 +311,10 @@ def prefix_forward(src_SND, valid_S, bias_SK, q_KD, *, eps, interpret=False):
     return out_KND, lse_NK.T  # the kernel keeps tokens on sublanes, K on lanes
 
 
-def _prefix_bwd_kernel(valid_ref, idx_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout_ref, ds_ref, dq_ref, *,
-                       eps, K):
+def _prefix_bwd_kernel(valid_ref, idx_ref, src_ref, q_ref, bias_ref, lse_ref, c_ref, dout_ref, acc_ref, ds_ref, dq_ref,
+                       *, eps, K):
+    """ds_ref aliases acc_ref's buffer: a valid source's block is acc + ds; an invalid one is neither
+    read nor written (its blocks map to the last valid source's, which stay resident)."""
     del idx_ref
     s, D = pl.program_id(1), src_ref.shape[-1]
 
@@ -326,7 +328,7 @@ def _prefix_bwd_kernel(valid_ref, idx_ref, src_ref, q_ref, bias_ref, lse_ref, c_
         q_KD = q_ref[...]
         z_TK, inv_T1 = _logits_TK(x_TD, q_KD, eps)
         a_TK = jnp.exp(z_TK + bias_ref[...] - lse_ref[...])
-        ds_TD = jnp.zeros(x_TD.shape, jnp.float32)
+        ds_TD = acc_ref[...].astype(jnp.float32)
         zg_T1 = jnp.zeros(inv_T1.shape, jnp.float32)
         for k in range(K):
             a_T1, dout_TD = a_TK[:, k:k + 1], dout_ref[k]
@@ -337,13 +339,10 @@ def _prefix_bwd_kernel(valid_ref, idx_ref, src_ref, q_ref, bias_ref, lse_ref, c_
             dq_ref[k:k + 1, :] += jnp.sum(g_T1 * x_TD, axis=0, keepdims=True)
         ds_ref[...] = (ds_TD - (zg_T1 * inv_T1 / D) * x_TD).astype(ds_ref.dtype)
 
-    @pl.when(valid_ref[s] == 0)
-    def _zero():
-        ds_ref[...] = jnp.zeros(ds_ref.shape, ds_ref.dtype)
 
-
-def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, *, eps, interpret=False):
-    """(ds [S, N, D] in the sources' dtype, dq [K, D] float32) in one read of the valid sources;
+def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, acc_SND, *, eps, interpret=False):
+    """(acc + ds [S, N, D], dq [K, D] float32) in one read of the valid sources, the sources'
+    gradient added into `acc_SND` in place (aliased: slots no query reads are not touched);
     `c_KN` = dout_k . out_k - dlse_k per token (the softmax's shift, from the forward's output)."""
     S, N, D = src_SND.shape
     K = q_KD.shape[0]
@@ -353,20 +352,21 @@ def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, *, 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(nt, S),
-        in_specs=[source, queries, bias, per_token, per_token, per_query],
-        out_specs=[pl.BlockSpec((SQ, tn, D), lambda i, s, v, f: (s, i, 0)),
-                   pl.BlockSpec((SQ, K, D), lambda i, s, v, f: (i, 0, 0))],
+        in_specs=[source, queries, bias, per_token, per_token, per_query, source],
+        out_specs=[source, pl.BlockSpec((SQ, K, D), lambda i, s, v, f: (i, 0, 0))],
     )
-    nbytes = src_SND.dtype.itemsize * 2 * S * N * D + 4 * K * N * D
+    nbytes = src_SND.dtype.itemsize * 3 * S * N * D + 4 * K * N * D
+    args = (valid_S, fetch_index(valid_S), src_SND, q_KD, bias_SK.reshape(S, 1, K), lse_KN.T, c_KN.T, dout_KND,
+            acc_SND.astype(src_SND.dtype))
     ds_SND, dq_TKD = pl.pallas_call(
         functools.partial(_prefix_bwd_kernel, eps=eps, K=K),
         grid_spec=grid_spec,
         out_shape=[out_struct((S, N, D), src_SND.dtype, src_SND), out_struct((nt, K, D), jnp.float32, src_SND)],
+        input_output_aliases={len(args) - 1: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(flops=(10 * K + 4) * S * N * D, transcendentals=(K + 1) * S * N,
                                       bytes_accessed=nbytes),
         interpret=interpret,
         name="depth_route_prefix_bwd",
-    )(valid_S, fetch_index(valid_S), src_SND, q_KD, bias_SK.reshape(S, 1, K), lse_KN.T, c_KN.T,
-      dout_KND)
+    )(*args)
     return ds_SND, dq_TKD.sum(axis=0)

@@ -347,12 +347,16 @@ def sublayer_prefix(prefix: Prefix | None, k: int) -> Prefix | None:
     return prefix._replace(out_BTD=prefix.out_BTD[k], lse_BT=prefix.lse_BT[k])
 
 
-def _group_queries(queries_fn, params_G, plan: ResidualPlan, first_layer, n: int):
-    """The 2n queries and gains [2n, D] of the n layers from `first_layer`, and their sources [2n, S]."""
+def _group_sources(plan: ResidualPlan, first_layer, n: int):
+    """Which slots each of the 2n queries of the n layers from `first_layer` reads: [2n, S]."""
+    return jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
+
+
+def _group_queries(queries_fn, params_G):
+    """The group's 2n queries and gains, each [2n, D] (attention, MLP per layer)."""
     query_N2D, gain_N2D = jax.vmap(queries_fn)(params_G)
     D = query_N2D.shape[-1]
-    valid_KS = jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
-    return valid_KS, query_N2D.reshape(2 * n, D), gain_N2D.reshape(2 * n, D)
+    return query_N2D.reshape(-1, D), gain_N2D.reshape(-1, D)
 
 
 def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: ResidualPlan, first_layer, n: int, *,
@@ -361,8 +365,9 @@ def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: Residua
     before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
     from deltares.nn.layers import route_prefix  # noqa: PLC0415 - layers imports the routing math only
 
-    valid_KS, query_KD, gain_KD = _group_queries(queries_fn, params_G, plan, first_layer, n)
-    return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, impl=impl, interpret=interpret, eps=eps)
+    query_KD, gain_KD = _group_queries(queries_fn, params_G)
+    return route_prefix(sources_SBTD, inv_rms_SBT, _group_sources(plan, first_layer, n), query_KD, gain_KD,
+                        impl=impl, interpret=interpret, eps=eps)
 
 
 def _group_prefix_grad_into(queries_fn, params_G, sources_SBTD, plan: ResidualPlan, first_layer, n: int, out, lse,
@@ -371,12 +376,10 @@ def _group_prefix_grad_into(queries_fn, params_G, sources_SBTD, plan: ResidualPl
     added in place). The kernel renormalises the sources itself: no 1/rms cotangent."""
     from deltares.nn.layers import route_prefix_grad_into  # noqa: PLC0415 - layers imports the routing math only
 
-    valid_KS = _group_queries(queries_fn, params_G, plan, first_layer, n)[0]
-    (query_KD, gain_KD), queries_vjp = jax.vjp(lambda p: _group_queries(queries_fn, p, plan, first_layer, n)[1:],
-                                               params_G)
+    (query_KD, gain_KD), queries_vjp = jax.vjp(lambda p: _group_queries(queries_fn, p), params_G)
     d_sources_SBTD, d_query_KD, d_gain_KD = route_prefix_grad_into(
-        d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gain_KD, out, lse, d_out, d_lse, impl=impl,
-        interpret=interpret, eps=eps)
+        d_sources_SBTD, sources_SBTD, _group_sources(plan, first_layer, n), query_KD, gain_KD, out, lse, d_out, d_lse,
+        impl=impl, interpret=interpret, eps=eps)
     return queries_vjp((d_query_KD, d_gain_KD))[0], d_sources_SBTD
 
 

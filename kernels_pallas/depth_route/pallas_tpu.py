@@ -274,7 +274,7 @@ def _prefix_fwd_kernel(valid_ref, idx_ref, src_ref, q_ref, bias_ref, out_ref, ls
         lse_ref[...] = m_ref[...] + jnp.log(l_TK)
 
 
-def _prefix_specs(S, K, D, tn):
+def _prefix_specs(K, D, tn):
     source = pl.BlockSpec((SQ, tn, D), lambda i, s, v, f: (f[s], i, 0))
     queries = pl.BlockSpec((K, D), lambda i, s, v, f: (0, 0))
     bias = pl.BlockSpec((SQ, 1, K), lambda i, s, v, f: (s, 0, 0))
@@ -289,7 +289,7 @@ def prefix_forward(src_SND, valid_S, bias_SK, q_KD, *, eps, interpret=False):
     S, N, D = src_SND.shape
     K = q_KD.shape[0]
     tn = prefix_block_tokens(N, D, src_SND.dtype.itemsize, K)
-    source, queries, bias, per_query, per_token = _prefix_specs(S, K, D, tn)
+    source, queries, bias, per_query, per_token = _prefix_specs(K, D, tn)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(N // tn, S),
@@ -348,7 +348,7 @@ def prefix_backward(src_SND, valid_S, bias_SK, q_KD, lse_KN, c_KN, dout_KND, acc
     K = q_KD.shape[0]
     tn = prefix_block_tokens(N, D, src_SND.dtype.itemsize, K)
     nt = N // tn
-    source, queries, bias, per_query, per_token = _prefix_specs(S, K, D, tn)
+    source, queries, bias, per_query, per_token = _prefix_specs(K, D, tn)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(nt, S),

@@ -243,6 +243,16 @@ def _d_split(shape):
     return None if sbtd is None or sbtd[3] is None else (mesh, sbtd)
 
 
+def _token_split(shape):
+    """The mesh's shard_map spec of a buffer [S, B, T, D] of `shape` for the fused kernels, tokens
+    split over the batch's mesh axes and D whole (a kernel normalises whole sources), else None
+    (no mesh, or one device: call the kernel on whole arrays)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None
+    return mesh, shard_spec(mesh, SOURCES_AXES[:3] + (None,), shape)
+
+
 def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=None, null_D=None,
               eps: float = routing.NORM_EPS, prefix=None):
     """`routing.route_normalized`; where the logical rules split the buffer's model dimension
@@ -278,7 +288,7 @@ def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl
     impl "xla": `routing.route_prefix`, on each device's slice of D inside `jax.shard_map` where the
     logical rules split it (`xla_route`); otherwise the fused K-query kernel
     (kernels_pallas.depth_route.route_prefix, which renormalises the sources itself), tokens split
-    over the batch's mesh axes and D whole (`kernel_route`, also for interpret mode's check_vma)."""
+    over the batch's mesh axes and D whole (`_token_split`; `kernel_route` for interpret mode's check_vma)."""
     valid_KS = jnp.asarray(valid_KS, bool)
     P = jax.sharding.PartitionSpec
     if impl != "xla":
@@ -287,10 +297,10 @@ def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl
         def route(sources, valid, query, gain):
             return fused(sources, valid, query, gain, implementation=impl, interpret=interpret, eps=eps)
 
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or mesh.size == 1:
+        split = _token_split(sources_SBTD.shape)
+        if split is None:
             return route(sources_SBTD, valid_KS, query_KD, gain_KD)
-        sbtd = shard_spec(mesh, SOURCES_AXES[:3] + (None,), sources_SBTD.shape)  # D whole
+        mesh, sbtd = split
         kbtd, kbt = P(None, *sbtd[1:]), P(None, *sbtd[1:3])
         return jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P()), out_specs=(kbtd, kbt),
                              check_vma=not interpret)(sources_SBTD, valid_KS, query_KD, gain_KD)
@@ -320,11 +330,11 @@ def route_prefix_grad_into(d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gai
                      interpret=interpret, eps=eps)
 
     args = (d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gain_KD, out_KBTD, lse_KBT, d_out_KBTD, d_lse_KBT)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    split = _token_split(sources_SBTD.shape)
+    if split is None:
         return grad(*args)
+    mesh, sbtd = split
     P = jax.sharding.PartitionSpec
-    sbtd = shard_spec(mesh, SOURCES_AXES[:3] + (None,), sources_SBTD.shape)  # D whole
     kbtd, kbt = P(None, *sbtd[1:]), P(None, *sbtd[1:3])
     batch = sbtd[1]  # the query and gain cotangents sum over the devices' tokens
 
@@ -341,9 +351,9 @@ def route_prefix_grad_into(d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gai
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
                  eps: float = routing.NORM_EPS):
     """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of
-    several devices it runs inside `jax.shard_map`, tokens split over the batch's mesh axes
-    (`shard_spec`), D whole
-    (the kernel normalises each source itself, so a D split over `tensor` is gathered)."""
+    several devices it runs inside `jax.shard_map`, tokens split over the batch's mesh axes and D
+    whole (`_token_split`: the kernel normalises each source itself, so a D split over `tensor` is
+    gathered)."""
     from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
 
     if isinstance(sources_SBTD, (tuple, list)):  # unrolled layers' separate sources: the kernel reads one buffer
@@ -353,11 +363,11 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
         return depth_route(sources, valid, query, gain, residual, implementation=impl, interpret=interpret,
                            eps=eps)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    split = _token_split(sources_SBTD.shape)
+    if split is None:
         return route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
+    mesh, sbtd = split
     P = jax.sharding.PartitionSpec
-    sbtd = shard_spec(mesh, SOURCES_AXES[:3] + (None,), sources_SBTD.shape)  # D whole
     btd = P(*sbtd[1:])
     # check_vma off in interpret mode: Pallas' HLO interpreter slices varying blocks with unvarying
     # indices, which the check rejects (jax 0.10); the compiled kernels keep it

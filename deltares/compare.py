@@ -23,7 +23,8 @@ group; a name it does not match is a group of its own. The runs of a group must 
 and nothing else that changes training or its final evaluation: every field of the saved configs
 is compared except `seed` and the execution settings of IGNORED_FIELDS (mesh, logging, checkpoint
 and profiling cadence, scan/remat/kernel choices); a field that differs is an error naming it and
-the runs. Two runs of one group with the same seed are an error too. A quoted pattern (as above)
+the runs (a dataset directory is compared by its real path, so the same data spelt relative or absolute
+is one dataset). Two runs of one group with the same seed are an error too. A quoted pattern (as above)
 is expanded here; one that matches nothing is an error.
 
 A run is complete when its last validation is at its config's `train.steps` and finite; the
@@ -81,6 +82,7 @@ def _load_run(path: str) -> tuple[dict, dict]:
         mode = model["residual"]["mode"]
     except (KeyError, TypeError):
         raise AnalysisError(f"{path}: the checkpoint's saved config has no model.residual.mode") from None
+    data["dataset"] = dataset_name(data.get("dataset"))
     records = read_metrics(ckpt.workdir)
     if not records:
         raise AnalysisError(f"no metrics.jsonl (or an empty one) in {ckpt.workdir}")
@@ -97,7 +99,7 @@ def _load_run(path: str) -> tuple[dict, dict]:
     peaks = [r["peak_bytes"] for r in records if isinstance(r.get("peak_bytes"), (int, float))]
     summary = dict(
         run=os.path.basename(os.path.normpath(ckpt.workdir)),
-        workdir=ckpt.workdir,
+        workdir=os.path.relpath(ckpt.workdir),  # as given: no machine path in a report
         scale=cfg["scale"] or "?",
         d_model=model["d_model"],
         n_layers=model["n_layers"],
@@ -112,10 +114,20 @@ def _load_run(path: str) -> tuple[dict, dict]:
         val_bpb=evals[-1]["val_bpb"] if evals else None,
         tokens_per_s=statistics.median(rates) if rates else None,
         peak_bytes=max(peaks) if peaks else None,
+        routing_lr=(cfg.get("optim") or {}).get("routing_lr"),
         seed=cfg["seed"],
         train_steps=train["steps"],
     )
     return summary, cfg
+
+
+def dataset_name(path):
+    """A saved `data.dataset` as compare sees it: a directory that exists (from here) by its real path,
+    relative to the working directory, so `/home/me/runs/data` and `runs/data` are one dataset and no
+    machine path reaches a report; anything else (`builtin`, a path not found here) as saved."""
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return path
+    return os.path.relpath(os.path.realpath(path))
 
 
 def _tokens(n) -> str:
@@ -167,8 +179,10 @@ def markdown(summaries: list[dict]) -> str:
 
 
 def mode_label(item: dict) -> str:
-    """A run's or group's mode, with its block size in the block modes."""
-    return item["mode"] + (f", B={item['block_layers']}" if item["block_layers"] else "")
+    """A run's or group's mode, with its block size in the block modes and its routing LR where set."""
+    lr = item.get("routing_lr")
+    return (item["mode"] + (f", B={item['block_layers']}" if item["block_layers"] else "")
+            + ("" if lr is None else f", routing LR {lr:g}"))
 
 
 def run_table(summaries: list[dict]) -> list[str]:
@@ -318,6 +332,7 @@ def group_runs(paths: list[str], seed_pattern: str = SEED_PATTERN, baseline: lis
         groups.append(dict(
             group=name, mode=first["mode"], scale=first["scale"], scale_label=scale_label(first),
             d_model=first["d_model"], n_layers=first["n_layers"], block_layers=first["block_layers"],
+            routing_lr=first["routing_lr"],
             steps=first["train_steps"], runs=[s["run"] for s in done], seeds=[s["seed"] for s in done],
             excluded=[e["run"] for e in excluded if e["group"] == name], n=len(done),
             **{q: stats([s[q] for s in done]) for q in QUANTITIES},

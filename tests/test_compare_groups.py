@@ -36,12 +36,13 @@ def debug_config(mode):
     return module.get_config(mode)
 
 
-def fake_run(root, name, mode, seed, ppl, n_layers=3, d_model=32, steps=STEPS, last_step=None, **optim):
+def fake_run(root, name, mode, seed, ppl, n_layers=3, d_model=32, steps=STEPS, last_step=None, dataset="builtin",
+             **optim):
     """A workdir as the trainer leaves it: metrics.jsonl with validations at steps/2 and `last_step`
     (default: `steps`; the final one has perplexity `ppl`) and a checkpoint at `last_step` holding the config."""
     cfg = debug_config(mode)
     cfg.seed, cfg.train.steps, cfg.model.n_layers, cfg.model.d_model = seed, steps, n_layers, d_model
-    cfg.data.dataset = "builtin"
+    cfg.data.dataset = dataset
     for key, value in optim.items():
         cfg.optim[key] = value
     last_step = steps if last_step is None else last_step
@@ -210,6 +211,19 @@ def test_mixed_configs_and_bad_input(study, tmp_path):
                          os.path.join(root, "lr10_s0"), os.path.join(root, "delta_s0")])
     assert {g["group"]: g["baseline"] for g in report["groups"]} == {"baseline": None, "lr10": "baseline",
                                                                      "delta": "baseline"}
+    assert "| lr10 | delta, routing LR 0.03 |" in grouped_markdown(report)
+    assert "| delta | delta | debug (d32, L3) |" in grouped_markdown(report)  # no routing LR set: none shown
+    # one dataset directory, spelt absolute in one run's config and relative in another's: one dataset,
+    # reported by its relative path (no machine path in a report)
+    data = tmp_path / "data"
+    data.mkdir()
+    fake_run(root, "abs_s0", "delta", 0, 40.0, dataset=str(data))
+    fake_run(root, "abs_s1", "delta", 1, 41.0, dataset=os.path.relpath(data))
+    fake_run(root, "absbase_s0", "baseline", 0, 45.0, dataset=os.path.relpath(data))
+    report = group_runs([os.path.join(root, "abs_s0"), os.path.join(root, "abs_s1"), os.path.join(root, "absbase_s0")])
+    assert by_group(report)["abs"]["n"] == 2 and by_group(report)["abs"]["baseline"] == "absbase"
+    assert by_group(report)["abs"]["config"]["data.dataset"] == os.path.relpath(data)
+    assert [os.path.isabs(r["workdir"]) for r in report["runs"]] == [False] * 3  # run directories too
 
     with pytest.raises(AnalysisError, match=r"no run matches .*/nothing_s\*"):
         expand_paths([os.path.join(study, "nothing_s*")])

@@ -82,6 +82,13 @@ def load_run(path: str) -> Run:
     return Run(run_name(ckpt.workdir), ckpt.workdir, ckpt.step, cfg, ckpt.state["params"])
 
 
+def _local(path: str) -> str:
+    """`path` relative to the working directory when it lies below it (no machine path in a report
+    kept with the runs or the docs), else as it is."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return path if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
 def run_name(workdir: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(workdir))) or "run"
 
@@ -396,7 +403,10 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
     if curves:
         figures["curves"] = os.path.join(out, "curves.png")
         plot_curves(curves, figures["curves"])
-    report = dict(out=os.path.abspath(out), batch=batch, max_batches=max_batches, runs=results, figures=figures)
+    for result in results:
+        result["workdir"], result["data"] = _local(result["workdir"]), _local(result["data"])
+    report = dict(out=_local(os.path.abspath(out)), batch=batch, max_batches=max_batches, runs=results,
+                  figures={k: _local(v) for k, v in figures.items()})
     with open(os.path.join(out, "routing.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report

@@ -288,3 +288,15 @@ def test_bad_input_is_one_line(runs, tmp_path):
 
     assert_clean_error(run("deltares.bench", "--config", os.path.join(ROOT, "experiments", "debug.py"), "--modes",
                            "baseline,deltaa"), "unknown mode deltaa", "delta_block")
+
+
+def test_report_paths_relative_below_the_working_directory(tmp_path, monkeypatch):
+    """routing.json keeps no machine path for what lies below the working directory (the docs and
+    the runs a study commits), and leaves a path elsewhere as it is."""
+    from deltares.analyze import _local
+
+    monkeypatch.chdir(tmp_path)
+    assert _local(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")
+    assert _local("runs/a") == os.path.join("runs", "a")
+    elsewhere = os.path.join(os.path.dirname(str(tmp_path)), "other", "val.bin")
+    assert _local(elsewhere) == elsewhere

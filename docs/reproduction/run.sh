@@ -6,9 +6,10 @@
 #   seeds       ~105 min  5 modes x 3 seeds, tiny (d256, 6 layers), 400 steps
 #   blocks       ~21 min  delta_block with 3 layers per block (block-size ablation), 3 seeds
 #   routing_lr   ~32 min  delta and delta_block with a 10x routing LR, 2 seeds (1x: the seeds part)
-#   depth       ~120 min  5 modes x 2 seeds at d128 with 24 layers, and with 6 layers
-#   long         ~70 min  baseline and delta_block to 2,000 steps, seed 0
-#   report        ~3 min  tables (results.md, groups.json), depth figure, routing statistics
+#   depth  ~100 min/seed  5 modes x 2 seeds at d128 with 24 layers, and with 6 layers (one seed a
+#                         session: SEEDS=0, then SEEDS=1; seed 0 took 117 min beside the long part)
+#   long         ~60 min  baseline and delta_block to 2,000 steps, seed 0 (91 min beside depth)
+#   report        ~2 min  tables (results.md, groups.json, depth.md, long.md), depth figure, routing statistics
 # Knobs (for a quick check): STEPS (400), LONG_STEPS (2000), SEEDS (0 1 2), MODES, CORPORA.
 set -euo pipefail
 PART=${1:?"usage: run.sh PART [RUNS_DIR]; PART: seeds blocks routing_lr depth long report all"}

@@ -405,7 +405,7 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
         plot_curves(curves, figures["curves"])
     for result in results:
         result["workdir"], result["data"] = _local(result["workdir"]), _local(result["data"])
-    report = dict(out=_local(os.path.abspath(out)), batch=batch, max_batches=max_batches, runs=results,
+    report = dict(out=_local(out), batch=batch, max_batches=max_batches, runs=results,
                   figures={k: _local(v) for k, v in figures.items()})
     with open(os.path.join(out, "routing.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -6,10 +6,10 @@
 #   seeds       ~105 min  5 modes x 3 seeds, tiny (d256, 6 layers), 400 steps
 #   blocks       ~21 min  delta_block with 3 layers per block (block-size ablation), 3 seeds
 #   routing_lr   ~32 min  delta and delta_block with a 10x routing LR, 2 seeds (1x: the seeds part)
-#   depth  ~100 min/seed  5 modes x 2 seeds at d128 with 24 layers, and with 6 layers (one seed a
-#                         session: SEEDS=0, then SEEDS=1; seed 0 took 117 min beside the long part)
+#   depth   ~90 min/seed  5 modes x 2 seeds at d128 with 24 layers, and with 6 layers (one seed a
+#                         session: SEEDS=0, then SEEDS=1; seed 1 took 90 min, seed 0 117 beside long)
 #   long         ~60 min  baseline and delta_block to 2,000 steps, seed 0 (91 min beside depth)
-#   report        ~2 min  tables (results.md, groups.json, depth.md, long.md), depth figure, routing statistics
+#   report        ~3 min  tables (results.md, groups.json, depth.md, long.md), depth figure, routing statistics
 # Knobs (for a quick check): STEPS (400), LONG_STEPS (2000), SEEDS (0 1 2), MODES, CORPORA.
 set -euo pipefail
 PART=${1:?"usage: run.sh PART [RUNS_DIR]; PART: seeds blocks routing_lr depth long report all"}
@@ -89,14 +89,20 @@ report() {
   if compgen -G "$RUNS/long/*" > /dev/null; then
     python -m deltares.compare "$RUNS"/long/* --out "$OUT/long.md"
   fi
-  local tiny=() deep=()
-  for mode in "${MODES[@]}"; do
-    tiny+=(--workdir "$RUNS/tiny/${mode}_s0")
-    deep+=(--workdir "$RUNS/deep/${mode}_L24_s0" --workdir "$RUNS/deep/${mode}_L6_s0")
-  done
+  local tiny=()
+  for mode in "${MODES[@]}"; do tiny+=(--workdir "$RUNS/tiny/${mode}_s0"); done
   [[ " ${MODES[*]} " == *" delta_block "* ]] && tiny+=(--workdir "$RUNS/tiny/delta_block_b3_s0")
   python -m deltares.analyze "${tiny[@]}" --out "$OUT/figures"
-  python -m deltares.analyze "${deep[@]}" --out "$OUT/figures/deep"
+  local seed deep dir  # the depth part's routing, per seed: figures/deep (seed 0), figures/deep_s1
+  for seed in "${SEEDS[@]:0:2}"; do
+    deep=()
+    for mode in "${MODES[@]}"; do
+      deep+=(--workdir "$RUNS/deep/${mode}_L24_s$seed" --workdir "$RUNS/deep/${mode}_L6_s$seed")
+    done
+    dir=$OUT/figures/deep
+    [ "$seed" = 0 ] || dir+=_s$seed
+    python -m deltares.analyze "${deep[@]}" --out "$dir"
+  done
 }
 
 prepare

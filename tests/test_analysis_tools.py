@@ -290,10 +290,20 @@ def test_bad_input_is_one_line(runs, tmp_path):
                            "baseline,deltaa"), "unknown mode deltaa", "delta_block")
 
 
-def test_report_paths_relative_below_the_working_directory(tmp_path, monkeypatch):
+def test_report_paths_relative_below_the_working_directory(runs, tmp_path, tmp_path_factory, monkeypatch):
     """routing.json keeps no machine path for what lies below the working directory (the docs and
     the runs a study commits), and leaves a path elsewhere as it is."""
     from deltares.analyze import _local
+
+    base = tmp_path_factory.getbasetemp()  # holds the runs, their data and tmp_path
+    monkeypatch.chdir(base)
+    analyze([runs["delta_block"]], out=str(tmp_path / "analysis"), batch=BATCH, max_batches=1)
+    saved = json.loads((tmp_path / "analysis" / "routing.json").read_text())
+    (run,) = saved["runs"]
+    assert run["workdir"] == os.path.relpath(runs["delta_block"], base)
+    assert run["data"].endswith("val.bin") and not os.path.isabs(run["data"]) and os.path.isfile(run["data"])
+    assert saved["out"] == os.path.relpath(tmp_path / "analysis", base)
+    assert all(not os.path.isabs(p) and os.path.isfile(p) for p in saved["figures"].values()), saved["figures"]
 
     monkeypatch.chdir(tmp_path)
     assert _local(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")

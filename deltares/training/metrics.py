@@ -224,23 +224,33 @@ class MetricsWriter:
         self.path = epath.Path(workdir) / METRICS
         parts = _parts(workdir)
         self.next_part = int(_PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0
-        records = read_metrics(workdir)
-        later = resume_step is not None and any(r["step"] > resume_step for r in records)
         if self.remote:
             (epath.Path(workdir) / PARTS).mkdir(parents=True, exist_ok=True)
-        if self.remote and later:  # one small object instead of rewriting what is there
-            self._write_part({TRUNCATE: resume_step})
-        elif not self.remote and (parts or self.path.exists()):
-            # local: rewritten once, so that appends follow whole lines
-            kept = [r for r in records if resume_step is None or r["step"] <= resume_step]
-            self.path.write_text("".join(_line(r) for r in kept))
-            for part in parts:
-                part.unlink()
+        if resume_step is not None or parts:
+            self.truncate_after(resume_step)
         from tensorboardX import SummaryWriter, record_writer
 
         for prefix in paths.BUCKET_PREFIXES:
             record_writer.register_writer_factory(prefix, _BucketEventFiles())
         self.tb = SummaryWriter(paths.join(workdir, "tensorboard"))
+
+    def truncate_after(self, step: int | None) -> None:
+        """Drops the records of steps after `step` (None: all of them): a resumed run rewrites them, and
+        a run that stops because a save failed keeps none that no checkpoint holds."""
+        if not self.active:
+            return
+        step = 0 if step is None else step
+        records = read_metrics(self.workdir)
+        later = any(r["step"] > step for r in records)
+        if self.remote:
+            if later:  # one small object instead of rewriting what is there
+                self._write_part({TRUNCATE: step})
+            return
+        parts = _parts(self.workdir)
+        if later or parts or self.path.exists():  # local: rewritten once, so that appends follow whole lines
+            self.path.write_text("".join(_line(r) for r in records if r["step"] <= step))
+            for part in parts:
+                part.unlink()
 
     def _write_part(self, record: dict) -> None:
         (epath.Path(self.workdir) / PARTS / f"part-{self.next_part:06d}.jsonl").write_text(_line(record))

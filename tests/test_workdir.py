@@ -1,0 +1,137 @@
+"""The run directory's lock and layout checks (`deltares.training.workdir`), without training: one
+holder at a time, the holder named, stale locks taken over (a dead process on this host, a stopped
+heartbeat from another), released locks gone; unusable run directories refused before anything is
+written. The trainer's use of both is tested end to end in tests/test_train.py and tests/test_faults.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deltares.training import workdir as wd
+from deltares.training.workdir import LOCK, WorkdirError, WorkdirLock, check_workdir
+
+
+def messages():
+    out = []
+    return out, out.append
+
+
+def write_lock(path, **fields):
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": wd._process_start(os.getpid()),
+              "started": "2026-01-01 00:00:00", "heartbeat": time.time(), "token": "x", "command": "test"}
+    record.update(fields)
+    (path / LOCK).write_text(json.dumps(record))
+    return record
+
+
+def dead_pid():
+    """The id of a process that has ended (and was not reused within this test)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_one_holder_then_released(tmp_path):
+    first = WorkdirLock(str(tmp_path))
+    first.acquire()
+    holder = json.loads((tmp_path / LOCK).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname() and holder["started"]
+    with pytest.raises(WorkdirError) as err:
+        WorkdirLock(str(tmp_path)).acquire()  # this very process holds it, and it is alive
+    assert f"process {os.getpid()} on {socket.gethostname()}" in str(err.value) and "\n" not in str(err.value)
+    assert first.held()
+    first.release()
+    assert not (tmp_path / LOCK).exists()
+    with WorkdirLock(str(tmp_path)) as again:  # a run after the first ended
+        assert again.held()
+    assert not (tmp_path / LOCK).exists()
+
+
+def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
+    write_lock(tmp_path, pid=dead_pid())
+    said, log = messages()
+    lock = WorkdirLock(str(tmp_path), log=log)
+    lock.acquire()
+    assert lock.held() and json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    assert len(said) == 1 and said[0].startswith("warning: took over the lock") and "no longer running" in said[0]
+    lock.release()
+
+
+def test_reused_process_id_is_not_the_holder(tmp_path):
+    """The holder's id now belongs to a process started later (here: this one): the lock is stale."""
+    write_lock(tmp_path, pid_start="1")
+    said, log = messages()
+    with WorkdirLock(str(tmp_path), log=log):
+        assert "no longer running" in said[0]
+
+
+def test_lock_from_another_host(tmp_path):
+    write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - 5)
+    with pytest.raises(WorkdirError, match="elsewhere"):
+        WorkdirLock(str(tmp_path)).acquire()
+    write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - wd.STALE_AFTER_S - 5)
+    said, log = messages()
+    with WorkdirLock(str(tmp_path), log=log):
+        assert "heartbeat stopped" in said[0]
+
+
+def test_heartbeat_is_refreshed(tmp_path, monkeypatch):
+    monkeypatch.setattr(wd, "HEARTBEAT_S", 0.05)
+    with WorkdirLock(str(tmp_path)):
+        first = json.loads((tmp_path / LOCK).read_text())["heartbeat"]
+        time.sleep(0.3)
+        assert json.loads((tmp_path / LOCK).read_text())["heartbeat"] > first
+
+
+def test_lock_being_written_is_respected(tmp_path):
+    (tmp_path / LOCK).write_text("")  # created, not yet written: a trainer starting
+    with pytest.raises(WorkdirError, match="a trainer that is starting"):
+        WorkdirLock(str(tmp_path)).acquire()
+
+
+def test_release_leaves_a_lock_taken_over_by_another(tmp_path):
+    lock = WorkdirLock(str(tmp_path))
+    lock.acquire()
+    other = write_lock(tmp_path, pid=1, token="other")
+    assert not lock.held()
+    lock.release()
+    assert json.loads((tmp_path / LOCK).read_text()) == other
+
+
+def test_lock_on_a_bucket(fake_bucket):
+    url = "gs://runs/locked"
+    os.makedirs(os.path.join(fake_bucket.root, "runs", "locked"))
+    with WorkdirLock(url) as lock:
+        assert lock.held()
+        assert os.path.exists(os.path.join(fake_bucket.root, "runs", "locked", LOCK))
+        with pytest.raises(WorkdirError, match="in use by another trainer"):
+            WorkdirLock(url).acquire()
+    assert not os.path.exists(os.path.join(fake_bucket.root, "runs", "locked", LOCK))
+
+
+@pytest.mark.parametrize("name,kind", [("checkpoints", "file"), ("tensorboard", "file"), ("metrics.jsonl", "dir"),
+                                       (LOCK, "dir")])
+def test_wrong_type_in_the_run_directory(tmp_path, name, kind):
+    path = tmp_path / name
+    path.mkdir() if kind == "dir" else path.write_text("x")
+    with pytest.raises(WorkdirError, match=f"{name} is a {'folder' if kind == 'dir' else 'file'} where"):
+        check_workdir(str(tmp_path))
+
+
+def test_run_directory_that_is_a_file(tmp_path):
+    (tmp_path / "run").write_text("x")
+    with pytest.raises(WorkdirError, match="is a file"):
+        check_workdir(str(tmp_path / "run" / "sub"))
+
+
+def test_check_leaves_a_new_run_directory_as_it_was(tmp_path):
+    check_workdir(str(tmp_path / "a" / "b"))
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "c").mkdir()
+    check_workdir(str(tmp_path / "c"))
+    assert os.listdir(tmp_path / "c") == []

@@ -208,7 +208,7 @@ QUANTITIES = ("val_ppl", "val_loss", "val_bpb")
 # neither what is trained nor its final evaluation (a prefix ending in "." covers a whole section).
 IGNORED_FIELDS = (
     "seed", "force", "mesh.", "data.prefetch", "train.log_every", "train.eval_every", "train.stats_every",
-    "train.checkpoint_every", "train.keep_last", "train.keep_every", "train.peak_tflops", "train.profile_steps",
+    "train.checkpoint_every", "train.keep_last", "train.keep_every", "train.resume_step", "train.peak_tflops", "train.profile_steps",
     "train.profile_all_processes", "train.wandb.", "model.scan_layers", "model.scan_unroll", "model.remat",
     "model.loss_chunk", "model.residual.impl", "model.residual.interpret",
 )

@@ -22,7 +22,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from deltares.interop import hf
-from deltares.training.checkpoint import Checkpointer, load_checkpoint
+from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.configs import base_config
 from deltares.data.dataset import TokenData
 from deltares.data.runs import run_dataset_path
@@ -100,7 +100,7 @@ def main(argv):
         else:
             hf_to_workdir(_HF.value, _OUT_WORKDIR.value, residual)
             print(f"wrote {_OUT_WORKDIR.value}/checkpoints/0")
-    except (hf.HFError, FileNotFoundError, ValueError) as err:
+    except (hf.HFError, FileNotFoundError, ValueError, CheckpointError) as err:
         sys.exit(f"error: {err}")
 
 

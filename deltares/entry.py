@@ -7,8 +7,11 @@ left as it is; only the tools change their own process's environment.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import glob
 import os
+import re
 import sys
 
 from absl import app, flags
@@ -82,11 +85,67 @@ def _help_as_under_python_m(module_name: str) -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
+def config_override_error(argv: list[str], err: BaseException) -> str:
+    """One line for a `--config.<field>=value` override that fails while the flags are parsed: the
+    first override naming no field of the schema, with the closest field that exists."""
+    from deltares.training.configs import field_names  # noqa: PLC0415 - only on this error path
+
+    names = field_names()
+    for arg in argv[1:]:
+        match = re.match(r"^--?(config\.[^=\s]+)", arg)
+        if match and match.group(1) not in names:
+            name = match.group(1)
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+            hint = f"did you mean --{close[0]}?" if close else "--helpconfig lists the fields"
+            return f"--{name}: no such config field; {hint}"
+    lines = str(err).strip().strip("'\"").splitlines()
+    return f"a --config override failed: {type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def one_line(err: BaseException) -> str:
+    """An error message on one line: a message of several (an experiment file that failed to load
+    ends in the traceback of its cause) becomes its first line and its last."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(err).__name__
+    return f"{lines[0].split(': Error whilst')[0].removesuffix(':')}: {lines[-1]}"
+
+
+def _parse_flags(argv: list[str]):
+    """absl's flag parsing, with every error one `error:` line (absl prints two, and config overrides
+    that name no field end in a traceback)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        sys.exit(f"error: {one_line(err)} (--help lists the flags)")
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        if not any(re.match(r"^--?config\.", arg) for arg in argv[1:]):
+            raise
+        sys.exit(f"error: {config_override_error(argv, err)}")
+
+
+def _one_line_errors(main):
+    """`main` with a usage error (a missing or conflicting flag) and an operating-system error (a full
+    disk, a path that cannot be read) reported as one `error:` line instead of usage text or a traceback."""
+
+    @functools.wraps(main)
+    def wrapped(argv):
+        try:
+            return main(argv)
+        except app.UsageError as err:
+            sys.exit(f"error: {err} (--help shows the usage)")
+        except OSError as err:
+            sys.exit(f"error: {one_line(err)}")
+
+    return wrapped
+
+
 def run(main, quiet_libtpu: bool = True) -> None:
     """`absl.app.run(main)` for a tool whose flags are defined: libtpu quiet (unless the tool sets
-    libtpu up itself, as `deltares.aot` does), `--config` names resolved, `--help` complete."""
+    libtpu up itself, as `deltares.aot` does), `--config` names resolved, `--help` complete, and
+    every usage, flag or config-override error one `error:` line."""
     if quiet_libtpu:
         quiet_libtpu_off_tpu()
     sys.argv = resolve_config_args(sys.argv)
     _help_as_under_python_m(main.__module__)
-    app.run(main)
+    app.run(_one_line_errors(main), flags_parser=_parse_flags)

@@ -19,6 +19,7 @@ reports are scored (its val_bpb: the split's mean bytes per token).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -29,9 +30,9 @@ from absl import app, flags, logging
 
 from deltares.data.dataset import TokenData, Windows, eval_batches, text_tokens
 from deltares.data.prepare import DataError
-from deltares.data.runs import run_dataset_path
+from deltares.data.runs import check_token_ids, run_dataset_path
 from deltares.nn.model import Transformer
-from deltares.training.checkpoint import load_checkpoint
+from deltares.training.checkpoint import CheckpointError, load_checkpoint
 from deltares.training.evaluation import metrics, score
 from deltares.training.steps import make_eval_step
 
@@ -57,11 +58,15 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches:
     if os.path.isdir(data):
         dataset = TokenData(data)
         tokens, n_bytes = dataset.tokens("val"), dataset.meta["splits"]["val"]["bytes"]
+        where = f"{data}/val.bin"
+        _check_tokenizer(dataset, ckpt)
     else:
         dataset = TokenData(run_dataset_path(ckpt.config, ckpt.workdir))
         tokens, n_bytes = text_tokens(data, dataset.tokenizer())
+        where = data
     if dataset.vocab_size > cfg.model.vocab_size:
         raise DataError(f"data vocabulary {dataset.vocab_size} is larger than the model's {cfg.model.vocab_size}")
+    check_token_ids([tokens], cfg.model.vocab_size, where)
     eval_step = jax.jit(make_eval_step(Transformer(cfg.model)))
     params = ckpt.state["params"]
     if max_batches:  # the trainer's validation set and bytes-per-token estimate
@@ -70,7 +75,25 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches:
         n_bytes = count * n_bytes / len(tokens)
     else:
         nats, count = score(eval_step, params, every_token_batches(tokens, dataset.eos_id, cfg.data.seq_len, batch))
+    if not math.isfinite(nats):
+        raise DataError(f"the loss of step {ckpt.step} on {where} is not finite: the checkpoint's parameters or the "
+                        "data are broken")
     return {"step": ckpt.step, "tokens": count, "bytes": n_bytes, "nats": nats, **metrics(nats, count, n_bytes)}
+
+
+def _check_tokenizer(dataset: TokenData, ckpt) -> None:
+    """DataError when `dataset` was made by another tokenizer than the one the checkpoint was trained
+    with (the checkpoint's dataset record; for older checkpoints, the run's own dataset when at hand)."""
+    saved = ckpt.dataset
+    if saved is None:
+        own = run_dataset_path(ckpt.config, ckpt.workdir)
+        if not os.path.exists(os.path.join(own, "meta.json")):
+            return
+        saved = TokenData(own).record()
+    if saved.get("tokenizer_sha256") != dataset.tokenizer_fingerprint:
+        raise DataError(f"{dataset.path} was tokenized with {dataset.meta['tokenizer']}, another tokenizer than the "
+                        f"one step {ckpt.step} was trained with ({saved.get('tokenizer')}, a different vocabulary "
+                        "or merges): its scores would mean nothing")
 
 
 def main(argv):
@@ -80,7 +103,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     try:
         m = evaluate_checkpoint(_CHECKPOINT.value, _DATA.value, _BATCH.value, _MAX_BATCHES.value)
-    except (DataError, FileNotFoundError, ValueError) as err:
+    except (DataError, FileNotFoundError, ValueError, CheckpointError) as err:
         sys.exit(f"error: {err}")
     print(f"step {m['step']}: loss {m['val_loss']:.4f}  perplexity {m['val_ppl']:.2f}  bits/byte {m['val_bpb']:.4f}")
 

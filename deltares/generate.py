@@ -29,6 +29,7 @@ from absl import app, flags, logging
 
 from deltares.interop.inference import load_model
 from deltares.nn.model import init_cache
+from deltares.training.checkpoint import CheckpointError
 
 
 class Sampling(NamedTuple):
@@ -168,6 +169,19 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int, mi
     return [Continuation(o, t) for o, t in zip(out, text)]
 
 
+def fit_context(prompts: list[list[int]], context: int) -> tuple[list[list[int]], list[str]]:
+    """Prompts cut to their last `context` tokens (the model's training sequence length: it never saw
+    longer ones, and the cache and prefill grow with the prompt), with a warning for each cut one."""
+    fitted, warnings = [], []
+    for i, ids in enumerate(prompts):
+        if len(ids) > context:
+            warnings.append(f"warning: prompt {i} has {len(ids)} tokens, more than the model's context of {context} "
+                            f"(its training sequence length): only its last {context} are used")
+            ids = ids[-context:]
+        fitted.append(ids)
+    return fitted, warnings
+
+
 def read_prompts(path: str) -> list[str]:
     """Prompts of a file: in a `.jsonl` file one JSON string (or object with "prompt") per
     line, so prompts may hold newlines; in any other file one prompt per non-empty line."""
@@ -200,14 +214,16 @@ def main(argv):
         if not prompts or any(not p.strip() for p in prompts):
             raise ValueError("the prompt is empty")
         loaded = load_model(_CHECKPOINT.value)
-        ids = [loaded.tokenizer.encode(p) for p in prompts]
+        ids, warnings = fit_context([loaded.tokenizer.encode(p) for p in prompts], loaded.context)
+        for warning in warnings:
+            print(warning, file=sys.stderr)
         start = time.perf_counter()
         stop = [s.replace("\\n", "\n").replace("\\t", "\t") for s in _STOP.value or []]  # "\n" typed
         samples = generate(loaded.model, loaded.params, ids, max_new_tokens=_MAX_NEW.value,
                            min_new_tokens=_MIN_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
                            top_p=_TOP_P.value, stop=stop, tokenizer=loaded.tokenizer, num_samples=_NUM.value,
                            seed=_SEED.value)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, CheckpointError) as err:
         sys.exit(f"error: {err}")
     elapsed = time.perf_counter() - start
     for i, sample in enumerate(samples):

@@ -15,6 +15,7 @@ command without training (see `dry_run`): nothing is read, allocated or written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,13 +37,14 @@ from deltares.data.prepare import DataError
 from deltares.data.runs import RunData, open_run_data, unigram_perplexity
 from deltares.interop import hf
 from deltares.training.configs import validate_config
-from deltares.training.checkpoint import Checkpointer, load_checkpoint
+from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.evaluation import evaluate
 from deltares.training.memory import PeakMemory
 from deltares.training.metrics import MetricsWriter, Profiler, mfu, model_flops_per_token, peak_flops_per_device
-from deltares.training.sharding import LOGICAL_RULES, make_mesh, shard_batch
+from deltares.training.sharding import LOGICAL_RULES, check_batch_split, make_mesh, shard_batch
 from deltares.training.state import ShardedTraining, sharded_train_step
 from deltares.training.wandb_tracker import TrackerError, open_tracker
+from deltares.training.workdir import WorkdirError, WorkdirLock, check_workdir
 
 
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.
@@ -118,14 +120,12 @@ def dry_run(cfg) -> dict:
     built with `jax.eval_shape` (the real sharded step over `config.mesh` on the local
     devices). Neither the dataset nor `init_from*` is read and nothing is written."""
     check_train_config(cfg)
+    mesh = _mesh(cfg)
     try:
-        mesh = make_mesh(cfg.mesh)
         training = sharded_train_step(cfg, mesh)
     except ValueError as err:
         raise TrainError(str(err)) from None
     t, seq_len = cfg.train, cfg.data.seq_len
-    if t.global_batch % (ways := mesh.shape["data"] * mesh.shape["fsdp"]):
-        raise TrainError(f"config.train.global_batch={t.global_batch} does not split over data x fsdp = {ways} devices")
     batch = jax.ShapeDtypeStruct((t.global_batch, seq_len + 1), jnp.int32, sharding=training.batch_sharding)
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
         state, out = jax.eval_shape(training.step.fn, training.abstract_state, batch)
@@ -149,9 +149,17 @@ def dry_run(cfg) -> dict:
     }
 
 
-def _check_resumable(saved: dict, cfg, workdir: str) -> None:
+def _check_resumable(saved: dict, saved_data: dict | None, cfg, data, workdir: str) -> None:
+    """Refuses to resume a checkpoint of another config or other data (unless config.force): the
+    fields in RESUME_KEYS, and the dataset the checkpoint recorded (its tokenizer and token counts)."""
     current = config_json(cfg)
     diffs = [key for key in RESUME_KEYS if _get(saved, key) != _get(current, key)]
+    if saved_data:  # checkpoints written before the dataset record have none
+        now = data.record()
+        if saved_data.get("tokenizer_sha256") != now["tokenizer_sha256"]:
+            diffs.append(f"the tokenizer of the dataset ({saved_data.get('tokenizer')}, another than {data.path}'s)")
+        elif saved_data.get("tokens") != now["tokens"]:
+            diffs.append(f"the data under data.dataset (token counts {saved_data.get('tokens')}, now {now['tokens']})")
     if diffs and not cfg.force:
         raise TrainError(
             f"{workdir} holds a checkpoint of another config (differs in {', '.join(diffs)}); "
@@ -175,7 +183,7 @@ def _init_from(path: str, params):
     """`params` with every leaf that `path`'s checkpoint also has replaced by the checkpoint's value."""
     try:
         source = load_checkpoint(path).state["params"]
-    except FileNotFoundError as err:
+    except (FileNotFoundError, CheckpointError) as err:
         raise TrainError(f"config.init_from: {err}") from None
     flat_source = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(source)[0]}
     taken, fresh = 0, []
@@ -228,37 +236,88 @@ class StopRequest:
 
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training; returns the final metrics. The config travels once, in order:
-    config (check_train_config) -> data (deltares.data.runs) -> model and sharded step
-    (deltares.training.state) -> the state to start from (`_start_state`) -> the loop, which writes
-    checkpoints and metrics."""
+    config and mesh (check_train_config, `_mesh`) -> the run directory, checked and locked
+    (deltares.training.workdir) -> data (deltares.data.runs) -> model and sharded step
+    (deltares.training.state) -> the state to start from (`_start_state`) -> the loop (`_train`),
+    which writes checkpoints and metrics. Nothing is written before the run directory is locked,
+    and a run that fails before its first step leaves a new run directory as it found it."""
     check_train_config(cfg)
+    mesh = _mesh(cfg)
     workdir = paths.run_dir(workdir)
-    paths.makedirs(workdir)
-    run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say)
-    training = sharded_train_step(cfg, make_mesh(cfg.mesh))
-    t = cfg.train
-    ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
+    fresh = not paths.is_remote(workdir) and not os.path.exists(workdir)
     try:
-        return _train(cfg, workdir, run, training, ckpt)
+        with _locked(workdir) as lock:
+            run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say)
+            training = sharded_train_step(cfg, mesh)
+            t = cfg.train
+            ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
+            try:
+                return _train(cfg, workdir, run, training, ckpt, lock)
+            finally:
+                ckpt.close()
+    except BaseException:
+        if fresh:  # what this run made and left empty: the checkpoints folder, the run directory
+            for path in (os.path.join(workdir, "checkpoints"), workdir):
+                if os.path.isdir(path) and not os.listdir(path):
+                    os.rmdir(path)
+        raise
+
+
+def _mesh(cfg):
+    """The device mesh of `cfg.mesh`, checked so that the global batch splits over it."""
+    try:
+        mesh = make_mesh(cfg.mesh)
+        check_batch_split(cfg.train, mesh)
+    except ValueError as err:
+        raise TrainError(str(err)) from None
+    return mesh
+
+
+@contextlib.contextmanager
+def _locked(workdir: str):
+    """The run directory checked (`check_workdir`) and locked (`WorkdirLock`) for the run's duration,
+    by process 0; every process stops with TrainError when it cannot be."""
+    lock, error = WorkdirLock(workdir, log=say), None
+    if jax.process_index() == 0:
+        try:
+            check_workdir(workdir)
+            paths.makedirs(workdir)
+            lock.acquire()
+        except (WorkdirError, OSError) as err:
+            error = str(err)
+    if jax.process_count() > 1 and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
+        error = error or f"process 0 could not check or lock {workdir} (its error says why)"
+    if error:
+        raise TrainError(error)
+    try:
+        yield lock
     finally:
-        ckpt.wait()
-        ckpt.close()
+        lock.release()
 
 
-def _start_state(cfg, workdir: str, training: ShardedTraining, ckpt: Checkpointer, data_iter):
-    """(state, step) a run starts from: its newest checkpoint (the data stream's position restored
-    into `data_iter`), else fresh parameters, or those of config.init_from / config.init_from_hf
-    (read and checked here, where the parameters are initialised)."""
-    start = ckpt.latest_step()
+def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Checkpointer):
+    """(state, step) a run starts from: its newest usable checkpoint (or config.train.resume_step;
+    the data stream's position restored into `run.train`), else fresh parameters, or those of
+    config.init_from / config.init_from_hf (read and checked here, where the parameters are initialised)."""
+    try:
+        start = ckpt.resume_step(cfg.train.resume_step, log=say)
+    except CheckpointError as err:
+        raise TrainError(str(err)) from None
     if start is not None:
-        _check_resumable(ckpt.config(start), cfg, workdir)
+        _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.data, workdir)
         abstract_state = training.abstract_state
         try:
             ckpt.check_params(start, abstract_state["params"])
         except ValueError as err:
             raise TrainError(f"cannot restore step {start} of {ckpt.directory} into this config: {err}") from None
-        state, data_state = ckpt.restore(start, abstract_state)
-        data_iter.set_state(data_state)
+        try:
+            state, data_state = ckpt.restore(start, abstract_state)
+        except Exception as err:  # noqa: BLE001 - whatever the storage layer raises, one line
+            raise TrainError(
+                f"restoring step {start} of {ckpt.directory} failed ({first_line(err)}); if the step is damaged, "
+                "move it away or resume an older one with --config.train.resume_step"
+            ) from None
+        run.train.set_state(data_state)
         say(f"resumed {workdir} from step {start}")
         return state, start
     if cfg.init_from and cfg.init_from_hf:
@@ -272,13 +331,75 @@ def _start_state(cfg, workdir: str, training: ShardedTraining, ckpt: Checkpointe
     return jax.device_put({**state, "params": params, "opt_state": training.tx.init(params)}, training.state_shardings), 0
 
 
-def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Checkpointer) -> dict:
+def first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process: bool) -> str | None:
+    """Why the run cannot go on storing its work (a background save failed, or the run directory's lock
+    was taken over), or None. With several processes, `every_process` agrees on it (a collective:
+    call it at the same steps on all)."""
+    try:
+        ckpt.poll()
+        problem = None
+    except CheckpointError as err:
+        problem = str(err)
+    if problem is None and lock is not None and lock.record is not None and not lock.held():
+        problem = f"the lock of {ckpt.workdir} was taken over by another trainer; stopped without saving"
+    if every_process and jax.process_count() > 1:
+        failed = multihost_utils.process_allgather(np.int32(problem is not None))
+        if failed.any() and problem is None:
+            problem = "another process of this run could not store its work (its error says why)"
+    return problem
+
+
+class _Outputs:
+    """The device outputs of the steps since the last log, read back at a log boundary."""
+
+    def __init__(self, vocab_size: int, dataset: str):
+        self.vocab_size, self.dataset, self.pending = vocab_size, dataset, []
+
+    def add(self, step: int, out) -> None:
+        self.pending.append((step, out))
+
+    def read(self, ckpt: Checkpointer) -> tuple[list[float], list[float]]:
+        """(losses, gradient norms); TrainError at the first step whose batch held a token id outside
+        the vocabulary, or whose loss or gradient norm is not finite (the last good checkpoint named)."""
+        host = [jax.device_get(o) for _, o in self.pending]
+        steps = [s for s, _ in self.pending]
+        self.pending = []
+        for step, o in zip(steps, host):
+            if int(o["max_token"]) >= self.vocab_size:
+                raise TrainError(
+                    f"{self.dataset} holds token id {int(o['max_token'])} (in the batch of step {step}), outside the "
+                    f"model's vocabulary of {self.vocab_size} (config.model.vocab_size). {_last_good(ckpt)}"
+                )
+        losses, norms = [float(o["loss"]) for o in host], [float(o["grad_norm"]) for o in host]
+        bad = [s for s, loss, norm in zip(steps, losses, norms) if not math.isfinite(loss + norm)]
+        if bad:
+            raise TrainError(f"non-finite loss or parameters at step {bad[0]}; stopped. {_last_good(ckpt)}")
+        return losses, norms
+
+
+def _last_good(ckpt: Checkpointer) -> str:
+    try:
+        ckpt.wait()
+    except CheckpointError:
+        pass  # the previous durable step is what counts
+    if ckpt.durable is None:
+        return f"No checkpoint was saved yet in {ckpt.directory}"
+    return f"The last good checkpoint is step {ckpt.durable} in {ckpt.directory}"
+
+
+def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Checkpointer,
+           lock: WorkdirLock | None = None) -> dict:
     t = cfg.train
-    data_iter = run.train
-    state, start = _start_state(cfg, workdir, training, ckpt, data_iter)
+    state, start = _start_state(cfg, workdir, run, training, ckpt)
+    data_iter, val, bpt = run.train, run.val, run.bytes_per_token
     train_step, eval_step, stats_step, schedules = training.step, training.eval_step, training.stats_step, training.schedules
     all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
-    config_record = config_json(cfg)
+    config_record, dataset_record = config_json(cfg), run.data.record()
     try:
         tracker = open_tracker(t.wandb, workdir, config_record)  # None unless config.train.wandb.project
     except TrackerError as err:
@@ -290,21 +411,27 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
     peak = peak_flops_per_device(t.peak_tflops)
     peak = peak and peak * jax.device_count()  # None for an unknown device: mfu is null
     peak_memory = PeakMemory(train_step)  # device high-water mark, else the compiled step's footprint
-    val, bpt = run.val, run.bytes_per_token
+    outputs = _Outputs(cfg.model.vocab_size, run.data.path)
+    single = jax.process_count() == 1
+
+    def stop_for_storage(problem: str):
+        writer.truncate_after(ckpt.durable)  # no record of a step that no checkpoint holds
+        raise TrainError(problem)
 
     def save(step):
         try:
-            ckpt.save(step, state, data_iter.get_state(), config_record)
+            ckpt.save(step, state, data_iter.get_state(), config_record, dataset_record)
+        except CheckpointError as err:
+            stop_for_storage(str(err))
         except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
-            raise TrainError(
-                f"saving step {step} failed ({type(err).__name__}: {err}); the previous checkpoint, step "
-                f"{ckpt.latest_step()}, is intact in {ckpt.directory}"
-            ) from None
+            previous = (f"the previous checkpoint, step {ckpt.durable}, is intact" if ckpt.durable is not None
+                        else "no checkpoint was saved before it")
+            stop_for_storage(f"saving step {step} failed ({first_line(err)}); {previous} in {ckpt.directory}")
 
     stop = StopRequest()
     bar = tqdm(total=t.steps, initial=start, unit="step", desc="train", dynamic_ncols=True, file=sys.stderr,
                disable=jax.process_index() != 0)
-    pending, last_eval = [], {}  # (step, device outputs) since the last log
+    last_eval = {}
     step, timed, window_start = start, 0, time.perf_counter()  # throughput window, compilation excluded
     try:
         while step < t.steps:
@@ -313,7 +440,7 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
             state, out = train_step(state, batch)
             step += 1
             bar.update(1)
-            pending.append((step, out))
+            outputs.add(step, out)
             profiler.after(step, out)
             if step == start + 1:
                 jax.block_until_ready(out)
@@ -322,17 +449,12 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
             stopping = stop.at(step)  # read once: a signal arriving later in this step is handled next step
             boundary = step % t.log_every == 0 or step == t.steps or stopping
             save_now = step % t.checkpoint_every == 0 or step == t.steps or stopping
+            if (single or boundary or save_now) and (problem := _storage_problem(ckpt, lock, not single)):
+                stop_for_storage(problem)
             if boundary or save_now:
-                losses = [float(o["loss"]) for _, o in pending]
-                norms = [float(o["grad_norm"]) for _, o in pending]
-                bad = [s for (s, _), loss, norm in zip(pending, losses, norms) if not math.isfinite(loss + norm)]
-                if not bad and save_now and not bool(all_finite(state["params"])):
-                    bad = [step]
-                if bad:
-                    raise TrainError(
-                        f"non-finite loss or parameters at step {bad[0]}; stopped. The last good checkpoint is step "
-                        f"{ckpt.latest_step()} in {ckpt.directory}"
-                    )
+                losses, norms = outputs.read(ckpt)
+                if save_now and not bool(all_finite(state["params"])):
+                    raise TrainError(f"non-finite loss or parameters at step {step}; stopped. {_last_good(ckpt)}")
                 elapsed = time.perf_counter() - window_start
                 step_time = elapsed / timed if timed else math.nan
                 record = {
@@ -354,19 +476,25 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
                     record["routing_entropy"] = stats["entropy"].round(4).tolist()
                 if (peak_bytes := peak_memory(state, batch)) is not None:
                     record["peak_bytes"] = peak_bytes
-                writer.write(step, record)
+                try:
+                    writer.write(step, record)
+                except OSError as err:
+                    stop_for_storage(f"writing the metrics of step {step} to {workdir} failed ({err.strerror or err}); "
+                                     f"{_last_good(ckpt)}")
                 bar.set_postfix(loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
-                pending = []
             if save_now:
                 save(step)
             if boundary or save_now:
                 timed, window_start = 0, time.perf_counter()
             if stopping:
-                ckpt.wait()
+                if problem := (_wait_and_check(ckpt) or _storage_problem(ckpt, lock, not single)):
+                    stop_for_storage(problem)
                 bar.close()
                 if jax.process_index() == 0:
                     print(f"{stopping}: saved step {step} to {ckpt.directory}; rerun the same command to resume.")
                 return {"step": step, "stopped": stopping, **last_eval}
+        if (problem := _wait_and_check(ckpt)) or (problem := _storage_problem(ckpt, lock, not single)):
+            stop_for_storage(problem)
         if not last_eval:  # resumed a finished run: report its final evaluation
             last_eval = evaluate(eval_step, state["params"], val, bpt)
     finally:
@@ -375,6 +503,15 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
         profiler.stop()
         writer.close()
     return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(run.data)}
+
+
+def _wait_and_check(ckpt: Checkpointer) -> str | None:
+    """Waits for the background save; why it failed, or None."""
+    try:
+        ckpt.wait()
+    except CheckpointError as err:
+        return str(err)
+    return None
 
 
 def print_dry_run(cfg, r: dict) -> None:

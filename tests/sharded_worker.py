@@ -189,7 +189,7 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         losses_a, state_a, _ = sharded(cfg, MESHES["data2_fsdp2_tensor2"], data=data[:2])
         ckpt = Checkpointer(workdir, async_save=False)
-        ckpt.save(2, state_a, {"next_index": 2}, {})
+        ckpt.save(2, state_a, {"next_index": 2}, cfg.to_dict())
         ckpt.wait()
         training_b = sharded_train_step(cfg, make_mesh(ml_collections.ConfigDict(MESHES["fsdp8"])))
         restored, _ = ckpt.restore(2, training_b.abstract_state)

@@ -253,7 +253,7 @@ def test_dry_run_of_7b6_is_abstract_and_counts_right():
     # float32 parameters and AdamW's two moments, plus a few scalars (step, Adam's counts)
     assert 12 * n <= r["state_bytes"] <= 12 * n + 1024
     assert r["state_bytes_per_device"] == r["state_bytes"] or jax.device_count() > 1
-    assert r["outputs"] == {"grad_norm": "float32[]", "loss": "float32[]"}
+    assert r["outputs"] == {"grad_norm": "float32[]", "loss": "float32[]", "max_token": "int32[]"}
 
 
 def test_dry_run_command_reads_and_writes_nothing(tmp_path):

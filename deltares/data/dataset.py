@@ -18,7 +18,7 @@ import grain
 import numpy as np
 
 from deltares.data.prepare import DATASET_FORMAT, DataError, document_bytes, encode_documents, read_documents
-from deltares.data.tokenizer import tokenizer_from_meta
+from deltares.data.tokenizer import tokenizer_from_meta, tokenizer_sha256
 
 
 class TokenData:
@@ -37,10 +37,41 @@ class TokenData:
         self.eos_id = self.meta["eos_id"]
 
     def tokens(self, split: str) -> np.ndarray:
+        """The split's tokens, memory-mapped; DataError naming the file when it is missing, empty, or
+        not the length meta.json records (cut short, or another dataset's)."""
         file = os.path.join(self.path, f"{split}.bin")
         if not os.path.exists(file) or os.path.getsize(file) == 0:
             raise DataError(f"{file} is missing or empty")
+        size, itemsize = os.path.getsize(file), np.dtype(self.meta["dtype"]).itemsize
+        want = self.meta.get("splits", {}).get(split, {}).get("tokens")
+        if size % itemsize or (want is not None and size // itemsize != want):
+            raise DataError(
+                f"{file} is cut short or not this dataset's: {size} bytes, where meta.json records "
+                f"{want} {self.meta['dtype']} tokens ({(want or 0) * itemsize} bytes); prepare it again"
+            )
         return np.memmap(file, dtype=self.meta["dtype"], mode="r")
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """A hash of the tokenizer that made the dataset (meta.json's, else computed as prepare does)."""
+        return self.meta.get("tokenizer_sha256") or tokenizer_sha256(self.meta["tokenizer"], self._tokenizer_json())
+
+    def _tokenizer_json(self) -> str | None:
+        path = os.path.join(self.path, "tokenizer.json")
+        return open(path, encoding="utf-8").read() if os.path.exists(path) else None
+
+    def record(self) -> dict:
+        """What a checkpoint keeps of the dataset it was trained on, to recognise other data later."""
+        return {"tokenizer": self.meta["tokenizer"], "tokenizer_sha256": self.tokenizer_fingerprint,
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "dtype": self.meta["dtype"],
+                "tokens": {split: info.get("tokens") for split, info in self.meta["splits"].items()}}
+
+    def check_ids(self, vocab_size: int) -> None:
+        """DataError naming the dataset when meta.json records a token id the model has no row for."""
+        top = self.meta.get("max_token_id")
+        if top is not None and top >= vocab_size:
+            raise DataError(f"{self.path} holds token id {top}, outside the model's vocabulary of {vocab_size} "
+                            "(config.model.vocab_size)")
 
     def bytes_per_token(self, split: str) -> float:
         info = self.meta["splits"][split]

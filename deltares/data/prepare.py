@@ -10,7 +10,9 @@ Format of the output directory (`DATASET_FORMAT`):
   as a flat little-endian uint16 (vocabulary <= 65536) or uint32 array, memory-mapped
   when read;
 - `meta.json`: format version, tokenizer spec, vocabulary size, end-of-text id, token
-  dtype, and per split the number of tokens, documents and UTF-8 bytes (for bits per byte);
+  dtype, per split the number of tokens, documents and UTF-8 bytes (for bits per byte), the
+  largest token id (`max_token_id`, checked against the model's vocabulary) and the tokenizer's
+  fingerprint (`tokenizer_sha256`, checked against a checkpoint's dataset on resume and in eval);
 - `tokenizer.json`: the Hugging Face tokenizer, when the tokenizer is not `bytes`.
 
 Documents: in text files, blocks separated by blank lines; the validation split is
@@ -37,7 +39,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-from deltares.data.tokenizer import bpe_vocab_size, dumps_meta, load_tokenizer, train_bpe
+from deltares.data.tokenizer import bpe_vocab_size, dumps_meta, load_tokenizer, tokenizer_sha256, train_bpe
 
 DATASET_FORMAT = 1
 BUILTIN = "builtin"
@@ -144,10 +146,12 @@ class _TokenWriter:
         self.file = open(path, "wb")
         self.dtype = dtype
         self.tokens = self.documents = self.bytes = 0
+        self.max_id = -1
 
     def add(self, docs: list[str], tokenizer) -> None:
         for doc, ids in zip(docs, encode_documents(docs, tokenizer)):
             arr = np.asarray(ids, dtype=self.dtype)
+            self.max_id = max(self.max_id, int(arr.max()))
             arr.tofile(self.file)
             self.tokens += arr.size
             self.documents += 1
@@ -224,6 +228,7 @@ def prepare(
         writers[split].add(pending[split], tokenizer)
         bar.update(len(pending[split]))
     bar.close()
+    max_id = max(w.max_id for w in writers.values())
     splits = {split: w.close() for split, w in writers.items()}
     if not splits["train"]["documents"] or not splits["val"]["documents"]:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -242,6 +247,8 @@ def prepare(
         eos_id=tokenizer.eos_id,
         dtype=np.dtype(dtype).name,
         splits=splits,
+        max_token_id=max_id,
+        tokenizer_sha256=tokenizer_sha256(tokenizer.spec, tokenizer.to_json()),
     )
     with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
         f.write(dumps_meta(meta))

@@ -48,7 +48,16 @@ def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print) -
             f"the tokenizer of {path} has {data.vocab_size} tokens, more than config.model.vocab_size="
             f"{config['model']['vocab_size']}"
         )
+    data.check_ids(config["model"]["vocab_size"])
     return data
+
+
+def check_token_ids(batches, vocab_size: int, where: str) -> None:
+    """DataError naming `where` and the id when a batch holds a token id the model has no row for."""
+    top = max((int(np.max(b)) for b in batches), default=-1)
+    if top >= vocab_size:
+        raise DataError(f"{where} holds token id {top}, outside the model's vocabulary of {vocab_size} "
+                        "(config.model.vocab_size); prepare the data with the model's tokenizer")
 
 
 class RunData(NamedTuple):
@@ -65,6 +74,7 @@ def open_run_data(config, workdir: str, process_index: int = 0, process_count: i
     t, seq_len = config["train"], config["data"]["seq_len"]
     train = train_dataset(data.tokens("train"), seq_len, t["global_batch"], config["seed"], process_index, process_count)
     val = eval_batches(data.tokens("val"), seq_len, max(1, t["global_batch"] // t["micro_batches"]), t["eval_batches"])
+    check_token_ids(val, config["model"]["vocab_size"], f"{data.path}/val.bin")
     return RunData(data, train_iterator(train, config["data"]["prefetch"]), val, data.bytes_per_token("val"))
 
 

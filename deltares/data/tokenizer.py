@@ -14,6 +14,7 @@ exactly the tokenizer that made it.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -126,6 +127,12 @@ def tokenizer_from_meta(meta: dict, data_dir: str):
     if text is not None:
         return HFTokenizer(tokenizers.Tokenizer.from_str(text), meta["tokenizer"])
     return load_tokenizer(meta["tokenizer"])
+
+
+def tokenizer_sha256(spec: str, tokenizer_json: str | None) -> str:
+    """The fingerprint prepare records for a tokenizer: the hash of its JSON (its spec where it has none),
+    so that two tokenizers of the same size but other merges tell apart."""
+    return hashlib.sha256((tokenizer_json if tokenizer_json is not None else spec).encode("utf-8")).hexdigest()
 
 
 def dumps_meta(meta: dict) -> str:

@@ -165,6 +165,9 @@ def tensor_table(cfg) -> list[tuple[tuple[str, ...], str, str, tuple[int, ...], 
 # ----------------------------------------------------------------------------- config.json
 
 
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
 def read_hf_config(path: str) -> dict:
     """config.json of a checkpoint directory, checked to be a Qwen3 we can run."""
     file = os.path.join(path, "config.json")
@@ -193,6 +196,10 @@ def read_hf_config(path: str) -> dict:
     for key, bad in unsupported.items():
         if bad:
             raise HFError(f"{file}: {key}={hf.get(key, _rope(hf))!r} is not supported")
+    missing = [key for key in REQUIRED_FIELDS if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool)]
+    if missing:
+        raise HFError(f"{file}: {', '.join(missing)} missing or not an integer (a Qwen3 config.json sets "
+                      f"{', '.join(REQUIRED_FIELDS)})")
     return hf
 
 

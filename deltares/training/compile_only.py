@@ -97,24 +97,16 @@ def mesh_config(cfg, override: str | None) -> ml_collections.ConfigDict:
 def step_mesh(cfg, devices, where: str, override: str | None = None):
     """The train step's mesh over `devices` (`mesh_config`), checked so that the global batch and
     each micro-batch split over data x fsdp; `where` names the devices in errors (AotError)."""
-    from deltares.training.sharding import make_mesh
+    from deltares.training.sharding import check_batch_split, make_mesh
 
     try:
         mesh = make_mesh(mesh_config(cfg, override), devices)
     except ValueError as err:
         raise AotError(f"mesh for {len(devices)} devices of {where}: {err}") from None
-    t = cfg.train
-    ways = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
-    if t.global_batch % ways:
-        raise AotError(
-            f"config.train.global_batch={t.global_batch} does not split over data x fsdp = {ways} devices of "
-            f"mesh {dict(mesh.shape)}; pass --config.train.global_batch or --mesh"
-        )
-    if t.global_batch % t.micro_batches or (t.global_batch // t.micro_batches) % ways:
-        raise AotError(
-            f"a micro-batch of {t.global_batch} / micro_batches={t.micro_batches} rows does not split over "
-            f"data x fsdp = {ways} devices"
-        )
+    try:
+        check_batch_split(cfg.train, mesh)
+    except ValueError as err:
+        raise AotError(f"{err}; pass --config.train.global_batch or --mesh") from None
     return mesh
 
 

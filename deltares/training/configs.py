@@ -92,6 +92,8 @@ BASE_FIELDS = (
     Field("train.checkpoint_every", 100, int, POSITIVE, "steps between checkpoints"),
     Field("train.keep_last", 3, int, POSITIVE, "checkpoints kept"),
     Field("train.keep_every", 0, int, NON_NEGATIVE, "also keep every checkpoint whose step is a multiple (0: off)"),
+    Field("train.resume_step", None, int, NON_NEGATIVE, "resume from this checkpoint step (newer steps are moved "
+          "to <workdir>/checkpoints_aside/); unset: the newest usable step"),
     Field("train.peak_tflops", 0.0, float, NON_NEGATIVE, "per-device peak for MFU; 0 looks the device up "
           "(deltares.training.metrics)"),
     Field("train.profile_steps", (), tuple, None, "(start, end): a jax.profiler trace of steps start..end-1 into "
@@ -133,6 +135,11 @@ def with_schema_defaults(saved: dict) -> dict:
     if "model" in out:
         out["model"] = with_defaults(MODEL_FIELDS, out["model"])
     return out
+
+
+def field_names() -> list[str]:
+    """Every field of an experiment config, dotted from `config.` (`config.train.steps`, ...)."""
+    return [f"config.{f.name}" for f in BASE_FIELDS] + [f"config.model.{f.name}" for f in MODEL_FIELDS]
 
 
 def describe_config() -> str:

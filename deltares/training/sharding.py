@@ -63,6 +63,18 @@ def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+def check_batch_split(train_cfg, mesh) -> None:
+    """ValueError unless the global batch, and each micro-batch, split evenly over data x fsdp of `mesh`."""
+    ways = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    batch, micro = train_cfg.global_batch, train_cfg.micro_batches
+    if batch % ways:
+        raise ValueError(f"config.train.global_batch={batch} does not split over data x fsdp = {ways} devices of "
+                         f"mesh {dict(mesh.shape)}")
+    if batch % micro or (batch // micro) % ways:
+        raise ValueError(f"a micro-batch of {batch} / micro_batches={micro} rows does not split over data x fsdp = "
+                         f"{ways} devices")
+
+
 def logical_sharding(mesh, names, shape=None) -> NamedSharding:
     """The sharding of an array with logical axis `names`; with `shape`, a dimension that its
     mesh axes do not divide evenly (a vocabulary of 257, say) stays whole."""

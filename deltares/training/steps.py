@@ -41,8 +41,9 @@ def batch_nll(model: Transformer, params, tokens_BT):
 
 
 def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_batches: int = 1):
-    """(state, batch) -> (state, {loss, grad_norm}); with `micro_batches` > 1 the batch is
-    split and gradients are averaged over micro-batches (gradient accumulation)."""
+    """(state, batch) -> (state, {loss, grad_norm, max_token}); with `micro_batches` > 1 the batch is
+    split and gradients are averaged over micro-batches (gradient accumulation). `max_token`, the
+    largest id in the batch (over all processes), lets the trainer refuse data the vocabulary lacks."""
 
     def loss_fn(params, tokens_BT):
         return masked_mean(batch_nll(model, params, tokens_BT))
@@ -67,7 +68,7 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "max_token": jnp.max(tokens_BT)}
 
     return train_step
 

@@ -81,3 +81,29 @@ def fake_bucket(tmp_path, monkeypatch):
     monkeypatch.setenv("DELTARES_CACHE", str(tmp_path / "cache"))
     yield fake
     backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+# The debug runs shared by tests/test_train.py and tests/test_faults.py (helpers: tests/debug_runs.py).
+
+
+@pytest.fixture(scope="session")
+def builtin_dataset(tmp_path_factory):
+    """The built-in corpus with the bytes tokenizer, prepared as `train` prepares it for 'builtin'."""
+    from deltares.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("builtin") / "dataset"
+    prepare("builtin", "bytes", str(out), val_fraction=0.05, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(builtin_dataset, tmp_path_factory):
+    """An uninterrupted 30-step run logging every step, checkpointing every 4 (in-process)."""
+    from debug_runs import RESUME_OVERRIDES, STEPS, config_with, read_metrics
+    from deltares.train import train
+
+    workdir = tmp_path_factory.mktemp("reference")
+    result = train(config_with(builtin_dataset, **RESUME_OVERRIDES), str(workdir))
+    records = read_metrics(str(workdir))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return dict(workdir=str(workdir), result=result, loss={r["step"]: r["loss"] for r in records})

@@ -271,6 +271,9 @@ RULES = (
          "run", extra=SHORT_TRAIN, first=True, reason="3 steps; its run directory is read by the tools' commands"),
     Rule("paper-scale training", rf"^(for .*; do )?python -m deltares\.train --config experiments/({PAPER_SCALES})\.py",
          "dry_run", extra=("--dry_run",), check="dry_run", reason="flags, config, abstract parameters and step"),
+    Rule("depth-study training", r"^python -m deltares\.train --config experiments/tiny_deep\.py:delta_block ", "dry_run",
+         extra=("--dry_run",), check="dry_run",
+         reason="the reproduction script's depth part trains this very command (below), for real"),
     Rule("small-scale training", r"^python -m deltares\.train --config experiments/(tiny|tiny_deep|debug)\.py", "run",
          extra=SHORT_TRAIN, reason="3 steps"),
     Rule("data preparation", r"^python -m deltares\.data\.prepare ", "run"),
@@ -291,6 +294,8 @@ RULES = (
     Rule("kernel benchmark", r"^python -m kernels_pallas\.depth_route\.bench\b", "run",
          extra=("--cpu_tokens", "64", "--iters", "1"), reason="64 tokens, 1 timed call"),
     Rule("own-model example", r"^python -m examples\.\w+$", "run", reason="a few steps already (no flags)"),
+    Rule("fault table", r"^python -m tests\.faults\b", "run", extra=("--only", "checkpoints is a file"),
+         reason="one fault (and the reference run): the whole table takes minutes"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
 )

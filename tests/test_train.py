@@ -8,9 +8,6 @@ default `$TMPDIR/deltares-test-jax-cache`) for the subprocesses and later runs.
 """
 
 import glob
-import hashlib
-import importlib
-import importlib.util
 import json
 import math
 import os
@@ -18,7 +15,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -29,136 +25,16 @@ from deltares.training.checkpoint import load_checkpoint
 from deltares.data.prepare import DataError, prepare
 from deltares.train import TrainError, train
 
-from event_files import event_scalars
+from debug_runs import (
+    BATCH, RESUME_OVERRIDES, SEQ, STEPS, assert_clean_error, assert_nothing_to_resume, checkpoint_steps,
+    config_with, debug_config, describe, module_cmd, read_metrics, run, tensorboard_scalars, train_cmd,
+    tree_digest, write_paragraphs,
+)
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
-STEPS, SEQ, BATCH = 30, 32, 4
+
 REQUIRED_KEYS = {"step", "loss", "loss_mean", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "tokens_seen"}
 EVAL_KEYS = {"val_loss", "val_ppl", "val_bpb"}
 STATS_KEYS = {"routing_max_weight", "routing_entropy"}
-# The uninterrupted reference run and the interrupted ones share these overrides.
-RESUME_OVERRIDES = dict(log_every=1, checkpoint_every=4)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def debug_config(mode="delta_block"):
-    spec = importlib.util.spec_from_file_location("debug_experiment", os.path.join(ROOT, "experiments", "debug.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(mode)
-
-
-def config_with(dataset, **train_fields):
-    cfg = debug_config()
-    cfg.data.dataset = str(dataset)
-    cfg.train.update(train_fields)
-    return cfg
-
-
-def read_metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def checkpoint_steps(workdir):
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-
-
-def tree_digest(root):
-    """{relative path: sha256} of every file under `root`."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
-def module_cmd(module, *args):
-    return [sys.executable, "-m", module, *args]
-
-
-def train_cmd(workdir, *overrides):
-    return module_cmd("deltares.train", "--config", os.path.join(ROOT, "experiments", "debug.py"), "--workdir",
-                      str(workdir), *overrides)
-
-
-def run(cmd, timeout=240):
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-def describe(proc):
-    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
-
-
-PROGRESS = re.compile(r"^\s*(train|tokenizing):\s+\d+%\|")  # tqdm bars on stderr
-
-
-def assert_clean_error(proc, *words):
-    """Non-zero exit, and stderr is exactly one line `error: ...` containing `words` (no traceback);
-    progress bars are the only other output allowed."""
-    assert proc.returncode not in (0, None), describe(proc)
-    lines = [line for line in re.split(r"[\r\n]+", proc.stderr) if line.strip() and not PROGRESS.match(line)]
-    assert len(lines) == 1 and lines[0].startswith("error: "), describe(proc)
-    for word in words:
-        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
-    return lines[0]
-
-
-def assert_nothing_to_resume(workdir):
-    """A failed start leaves nothing a later run in the same workdir would resume from or append to."""
-    assert checkpoint_steps(workdir) == []
-    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-
-
-def tensorboard_scalars(workdir):
-    """{(tag, step): value} from the TFRecord event files (parsed here, without tensorboard)."""
-    files = glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents*"))
-    assert files, "no TensorBoard event file"
-    return event_scalars(files)
-
-
-WORDS = (
-    "the whale ship sea captain harpoon deck mast sail wind wave storm ocean voyage crew sailor boat oil white "
-    "hunt island harbour rope anchor compass chart night morning fog ice and of a to in was he his that it"
-).split()
-
-
-def write_paragraphs(path, n, seed):
-    rng = np.random.default_rng(seed)
-    paras = []
-    for i in range(n):
-        sentences = [" ".join(rng.choice(WORDS, size=int(rng.integers(6, 14)))).capitalize() + "." for _ in range(3)]
-        paras.append(" ".join(sentences))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n\n".join(paras) + "\n")
-    return paras
-
-
-# ----------------------------------------------------------------------------- shared runs
-
-
-@pytest.fixture(scope="module")
-def builtin_dataset(tmp_path_factory):
-    """The built-in corpus with the bytes tokenizer, prepared as `train` prepares it for 'builtin'."""
-    out = tmp_path_factory.mktemp("builtin") / "dataset"
-    prepare("builtin", "bytes", str(out), val_fraction=0.05, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(builtin_dataset, tmp_path_factory):
-    """An uninterrupted 30-step run logging every step, checkpointing every 4 (in-process)."""
-    workdir = tmp_path_factory.mktemp("reference")
-    result = train(config_with(builtin_dataset, **RESUME_OVERRIDES), str(workdir))
-    records = read_metrics(str(workdir))
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return dict(workdir=str(workdir), result=result, loss={r["step"]: r["loss"] for r in records})
 
 
 # ----------------------------------------------------------------------------- 1. learning and logging
@@ -265,18 +141,25 @@ def assert_resumed_like_reference(workdir, reference, proc, interrupted_at):
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(reference, builtin_dataset, tmp_path):
+    """Also the lock: a second trainer on the running one's workdir refuses, naming it (and changing
+    nothing); the killed run's lock is taken over by the rerun with a warning."""
     workdir = str(tmp_path / "run")
     cmd = resume_cmd(workdir, builtin_dataset)
     proc, seen = start_and_wait_for_checkpoint(cmd, workdir)
+    with pytest.raises(TrainError, match=rf"{workdir} is in use by another trainer \(process {proc.pid} on "):
+        train(config_with(builtin_dataset, **RESUME_OVERRIDES), workdir)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     killed_at = max(r["step"] for r in read_metrics(workdir))
     assert killed_at >= seen
+    assert json.loads(open(os.path.join(workdir, "LOCK")).read())["pid"] == proc.pid  # left by the killed run
 
     rerun = run(cmd)
+    assert f"warning: took over the lock of {workdir} from process {proc.pid}" in rerun.stderr, describe(rerun)
     start = assert_resumed_like_reference(workdir, reference, rerun, max(killed_at, seen))
     assert start >= seen
+    assert not os.path.exists(os.path.join(workdir, "LOCK"))
 
 
 def test_resume_after_sigterm_matches_uninterrupted_run(reference, builtin_dataset, tmp_path):
@@ -295,8 +178,10 @@ def test_resume_after_sigterm_matches_uninterrupted_run(reference, builtin_datas
     # test_sigterm_during_a_logged_step_saves_that_step (a race in train.py can skip it).
     latest = checkpoint_steps(workdir)[-1]
     assert seen <= latest <= saved
+    assert not os.path.exists(os.path.join(workdir, "LOCK"))  # released by the run that stopped
 
     rerun = run(cmd)
+    assert "lock" not in rerun.stderr
     assert assert_resumed_like_reference(workdir, reference, rerun, saved) == latest
 
 

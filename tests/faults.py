@@ -1,0 +1,410 @@
+"""Fault injection against debug runs: every fault of issue 22, with what each ended in, as a table.
+
+    python tests/faults.py                 # all faults (about 6 minutes on 2 CPU cores)
+    python tests/faults.py --only kill     # those whose name holds "kill"
+    python tests/faults.py --out faults.md
+
+For each fault: the exit code of the command it hit, the first line it printed that starts with
+`error:` or `warning:`, whether a Python traceback appeared, whether the run recovered (rerun as a
+user would: its losses are those of an uninterrupted run, bit for bit) and whether data was lost
+(a checkpoint or metrics record missing or changed; a damaged checkpoint moved aside is kept).
+The goal is 0 tracebacks, 0 silent wrong results and 0 data lost. The tests prove each behaviour
+on its own (tests/test_faults.py, tests/test_train.py, tests/test_workdir.py); this runs them the way
+a user meets them, through the command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from debug_runs import RESUME_OVERRIDES, STEPS, checkpoint_steps, module_cmd, read_metrics, tree_digest  # noqa: E402
+from jax_cache import ENV, ROOT  # noqa: E402
+import test_faults as tf  # noqa: E402 - the damages and command lines the tests use
+
+DEBUG = os.path.join(ROOT, "experiments", "debug.py")
+RESUME = tuple(f"--config.train.{k}={v}" for k, v in RESUME_OVERRIDES.items())
+
+
+class Bench:
+    """The shared inputs: a prepared dataset and an uninterrupted reference run (its losses)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.data = os.path.join(root, "dataset")
+        from deltares.data.prepare import prepare
+
+        prepare("builtin", "bytes", self.data, val_fraction=0.05, progress=False)
+        self.reference = self.dir("reference")
+        proc = self.train(self.reference)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        self.loss = losses(self.reference)
+
+    def dir(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def cmd(self, workdir, *extra):
+        return module_cmd("deltares.train", "--config", DEBUG, "--workdir", str(workdir),
+                          f"--config.data.dataset={self.data}", *RESUME, *extra)
+
+    def train(self, workdir, *extra, env=None, timeout=300, prefix=()):
+        return run([*prefix, *self.cmd(workdir, *extra)], env=env, timeout=timeout)
+
+    def finished_copy(self, name: str) -> str:
+        workdir = self.dir(name)
+        shutil.copytree(self.reference, workdir)
+        return workdir
+
+
+def run(cmd, env=None, timeout=300):
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(workdir) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(workdir)} if os.path.exists(
+        os.path.join(workdir, "metrics.jsonl")) else {}
+
+
+def said(proc) -> str:
+    for line in re.split(r"[\r\n]+", proc.stderr):
+        if line.startswith(("error:", "warning:")):
+            return line
+    return ""
+
+
+def row(fault, proc, recovered="n/a", lost="no", traceback=None):
+    traceback = "Traceback" in (proc.stderr + proc.stdout) if traceback is None else traceback
+    return dict(fault=fault, exit=proc.returncode, line=said(proc), traceback=traceback, recovered=recovered,
+                lost=lost)
+
+
+def recovered_like_reference(bench, workdir) -> str:
+    got = losses(workdir)
+    complete = sorted(got) == list(range(1, STEPS + 1)) and checkpoint_steps(workdir)[-1:] == [STEPS]
+    return "yes" if complete and got == bench.loss else f"NO ({len(got)} records, differ: {got != bench.loss})"
+
+
+def unchanged(before, after) -> str:
+    return "no" if before == after else "YES (changed)"
+
+
+# ----------------------------------------------------------------------------- the faults
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^\w.]+", "_", name).strip("_")
+
+
+def interrupted(bench, name, sig, wait_for=8):
+    workdir = bench.dir(slug(name))
+    proc = subprocess.Popen(bench.cmd(workdir), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if wait_for is None or (checkpoint_steps(workdir) and checkpoint_steps(workdir)[-1] >= wait_for):
+            break
+        time.sleep(0.005)
+    if wait_for is None:
+        time.sleep(2.0)  # inside the first compile
+    proc.send_signal(sig)
+    out, err = proc.communicate()
+    first = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    rerun = bench.train(workdir)
+    tb = "Traceback" in first.stderr + rerun.stderr
+    return row(name, rerun if not said(first) else first, recovered_like_reference(bench, workdir), traceback=tb)
+
+
+def damaged(bench, name):
+    hurt, _ = tf.DAMAGE[name]
+    workdir = bench.finished_copy(name)
+    step30 = os.path.join(workdir, "checkpoints", "30")
+    hurt(step30)
+    damaged_files = tree_digest(step30)
+    proc = bench.train(workdir)
+    aside = os.path.join(workdir, "checkpoints_aside", "30")
+    kept = os.path.isdir(aside) and {k: v for k, v in tree_digest(aside).items() if k != "REASON"} == damaged_files
+    return row(f"damaged newest step: {name}", proc, recovered_like_reference(bench, workdir),
+               "no" if kept else "YES (damaged step not kept)")
+
+
+def damaged_only_step(bench):
+    workdir = bench.finished_copy("only_step")
+    for step in (24, 28):
+        shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
+    tf.truncate_array_file(os.path.join(workdir, "checkpoints", "30"))
+    before = tree_digest(workdir)
+    proc = bench.train(workdir)
+    return row("damaged only step", proc, lost=unchanged(before, tree_digest(workdir)))
+
+
+def two_trainers(bench, name, *extra):
+    workdir = bench.dir(slug(name))
+    first = subprocess.Popen(bench.cmd(workdir), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    while not os.path.exists(os.path.join(workdir, "LOCK")) and first.poll() is None:
+        time.sleep(0.01)
+    second = bench.train(workdir, *extra)
+    out, err = first.communicate()
+    ok = first.returncode == 0 and recovered_like_reference(bench, workdir) == "yes"
+    return row(name, second, lost="no" if ok else f"YES (first run: rc {first.returncode}, {err[-300:]})")
+
+
+def stale_lock(bench):
+    return interrupted(bench, "stale lock (SIGKILL, rerun)", signal.SIGKILL)
+
+
+def file_size_limit(bench):
+    workdir = bench.dir("file_size_limit")
+    proc = bench.train(workdir, prefix=("prlimit", "--fsize=100000"))
+    clean = read_metrics(workdir) == [] and checkpoint_steps(workdir) == []
+    rerun = bench.train(workdir)
+    tb = "Traceback" in proc.stderr + rerun.stderr
+    return row("checkpoint write fails (file size limit)", proc, recovered_like_reference(bench, workdir),
+               "no" if clean else "YES (records of steps no checkpoint holds)", traceback=tb)
+
+
+def disk_full(bench):
+    """A 1.6 MB tmpfs holds two checkpoints of the debug model; the third fails with ENOSPC. Then the
+    disk grows (as a user frees space) and the same command resumes. In a mount namespace of its own."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return dict(fault="disk full", exit="-", line="skipped: needs root and unshare", traceback=False,
+                    recovered="n/a", lost="n/a")
+    out = bench.dir("disk_full")
+    os.makedirs(out)
+    run_dir = os.path.join(out, "mnt")
+    os.makedirs(run_dir)
+    workdir = os.path.join(run_dir, "run")
+    py = " ".join(f"'{a}'" for a in bench.cmd(workdir))
+    script = (f'mount -t tmpfs -o size=1600k tmpfs {run_dir} && ({py} > {out}/1.out 2> {out}/1.err;'
+              f' echo $? > {out}/1.rc;'
+              f' cp -a {workdir} {out}/after_failure; mount -o remount,size=50m {run_dir};'
+              f' {py} > {out}/2.out 2> {out}/2.err; echo $? > {out}/2.rc; cp -a {workdir} {out}/after_rerun)')
+    subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=ENV, timeout=600)
+    read = lambda name: open(os.path.join(out, name)).read()  # noqa: E731
+    first = subprocess.CompletedProcess([], int(read("1.rc")), read("1.out"), read("1.err"))
+    failed_dir = os.path.join(out, "after_failure")
+    steps = checkpoint_steps(failed_dir)
+    records = [r["step"] for r in read_metrics(failed_dir)]
+    clean = steps and records == list(range(1, steps[-1] + 1)) and losses(failed_dir) == {
+        s: bench.loss[s] for s in records}
+    tb = "Traceback" in read("1.err") + read("2.err")
+    return row(f"disk full (ENOSPC at a later checkpoint; kept {steps})", first,
+               recovered_like_reference(bench, os.path.join(out, "after_rerun")),
+               "no" if clean else f"YES (steps {steps}, records up to {records[-1:]})", traceback=tb)
+
+
+def wrong_shape(bench, name, kind):
+    workdir = bench.dir(f"wrong_{name}")
+    os.makedirs(workdir)
+    target = os.path.join(workdir, name)
+    os.mkdir(target) if kind == "dir" else open(target, "w").close()
+    before = tree_digest(workdir)
+    proc = bench.train(workdir)
+    kind_name = "folder" if kind == "dir" else "file"
+    return row(f"{name} is a {kind_name}", proc, lost=unchanged(before, tree_digest(workdir)))
+
+
+def read_only(bench):
+    workdir = bench.finished_copy("read_only")
+    before = tree_digest(workdir)
+    try:
+        cmd = tf.read_only_command(workdir, bench.cmd(workdir))
+    except BaseException as err:  # pytest.skip outside pytest
+        return dict(fault="read-only workdir", exit="-", line=f"skipped: {err}", traceback=False, recovered="n/a",
+                    lost="n/a")
+    proc = run(cmd)
+    os.chmod(workdir, 0o755)
+    return row("read-only workdir", proc, lost=unchanged(before, tree_digest(workdir)))
+
+
+def dataset_copy(bench, name):
+    data = bench.dir(name)
+    shutil.copytree(bench.data, data)
+    return data
+
+
+def bad_token_ids(bench):
+    import numpy as np
+
+    data = dataset_copy(bench, "data_bad_ids")
+    meta = json.loads(open(os.path.join(data, "meta.json")).read())
+    del meta["max_token_id"]  # as a dataset prepared before prepare recorded it, disagreeing with its tokens
+    open(os.path.join(data, "meta.json"), "w").write(json.dumps(meta))
+    for split in ("train", "val"):
+        tokens = np.memmap(os.path.join(data, f"{split}.bin"), dtype=np.uint16, mode="r+")
+        tokens[::50] = 400
+        tokens.flush()
+    workdir = bench.dir("bad_ids")
+    proc = run(module_cmd("deltares.train", "--config", DEBUG, "--workdir", workdir, f"--config.data.dataset={data}"))
+    evaluation = run(module_cmd("deltares.eval", "--checkpoint", bench.reference, "--data", data))
+    return [row("token ids outside the vocabulary (train)", proc),
+            row("token ids outside the vocabulary (eval)", evaluation)]
+
+
+def odd_length_split(bench):
+    data = dataset_copy(bench, "data_odd")
+    with open(os.path.join(data, "train.bin"), "ab") as f:
+        f.write(b"\x01")
+    return row("train.bin of odd length", bench.train(bench.dir("odd"), f"--config.data.dataset={data}"))
+
+
+def other_data_same_path(bench, name, edit, evaluate=True):
+    """The run's dataset replaced by other data under the same path: resuming must refuse, and (for
+    another tokenizer) so must scoring it; other data of the same tokenizer is scored as it is."""
+    workdir = bench.finished_copy(slug(name))
+    data = bench.data
+    kept = data + ".kept"
+    shutil.copytree(data, kept)
+    try:
+        edit(data)
+        before = tree_digest(workdir)
+        proc = bench.train(workdir)
+        evaluation = run(module_cmd("deltares.eval", "--checkpoint", workdir, "--data", data)) if evaluate else None
+        lost = unchanged(before, tree_digest(workdir))
+    finally:
+        shutil.rmtree(data)
+        os.rename(kept, data)
+    return [row(f"{name} (resume)", proc, lost=lost)] + ([row(f"{name} (eval)", evaluation)] if evaluate else [])
+
+
+def other_tokenizer(data):
+    tf.edit_meta(__import__("pathlib").Path(data), tokenizer_sha256="0" * 64)
+
+
+def other_tokens(data):
+    path = __import__("pathlib").Path(data)
+    meta = json.loads((path / "meta.json").read_text())
+    os.truncate(path / "train.bin", os.path.getsize(path / "train.bin") - 200)
+    meta["splits"]["train"]["tokens"] -= 100
+    tf.edit_meta(path, splits=meta["splits"])
+
+
+def non_finite(bench):
+    """The loss diverges at step 3 (a learning rate of 1e30): the run stops naming the step and the last
+    good checkpoint; no checkpoint of non-finite parameters is saved (the records of the steps before
+    are kept: they show the divergence)."""
+    workdir = bench.dir("non_finite")
+    proc = bench.train(workdir, "--config.optim.lr=1e30", "--config.optim.warmup_steps=1",
+                       "--config.train.checkpoint_every=1")
+    import numpy as np
+    from deltares.training.checkpoint import load_checkpoint
+
+    steps = checkpoint_steps(workdir)
+    finite = not steps or all(np.isfinite(np.asarray(x)).all()
+                              for x in __import__("jax").tree.leaves(load_checkpoint(workdir).state["params"]))
+    return row("non-finite loss", proc, lost="no" if finite else "YES (a checkpoint of non-finite parameters)")
+
+
+def commands(bench):
+    tmp = __import__("pathlib").Path(bench.dir("commands"))
+    tmp.mkdir()
+    finished = bench.finished_copy("commands_run")
+    rows = []
+    cases = tf.bad_commands(tmp, finished, __import__("pathlib").Path(bench.data))
+    before = tree_digest(bench.root)
+    for name, args, _, env in cases:
+        rows.append(row(f"command: {name}", run(module_cmd(*args), env=env)))
+    after = tree_digest(bench.root)
+    changed = sorted(set(before.items()) ^ set(after.items()))
+    for r in rows:
+        r["lost"] = "no" if not changed else f"YES ({len(changed)} files changed)"
+    long_prompt = "Call me Ishmael. " * 600  # 10,200 byte tokens for a model trained on 32
+    proc = run(module_cmd("deltares.generate", "--checkpoint", bench.reference, "--prompt", long_prompt,
+                          "--max_new_tokens", "8", "--temperature", "0"))
+    rows.append(row("generate: 10,200-token prompt, 32-token model", proc))
+    return rows
+
+
+FAULTS = {
+    "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),
+    "sigkill during training": lambda b: interrupted(b, "sigkill during training", signal.SIGKILL),
+    "sigkill during the first compile": lambda b: interrupted(b, "sigkill during the first compile", signal.SIGKILL,
+                                                              wait_for=None),
+    **{f"damaged {name}": (lambda name: lambda b: damaged(b, name))(name) for name in tf.DAMAGE},
+    "damaged only step": damaged_only_step,
+    "two trainers, same config": lambda b: two_trainers(b, "two trainers, same config"),
+    "two trainers, other learning rate": lambda b: two_trainers(b, "two trainers, other learning rate",
+                                                                "--config.optim.lr=1e-3"),
+    "stale lock": stale_lock,
+    "file size limit": file_size_limit,
+    "disk full": disk_full,
+    "checkpoints is a file": lambda b: wrong_shape(b, "checkpoints", "file"),
+    "metrics.jsonl is a folder": lambda b: wrong_shape(b, "metrics.jsonl", "dir"),
+    "read-only workdir": read_only,
+    "bad token ids": bad_token_ids,
+    "odd-length split": odd_length_split,
+    "other tokenizer, same size": lambda b: other_data_same_path(b, "other tokenizer, same size", other_tokenizer),
+    "other data, same path": lambda b: other_data_same_path(b, "other data, same path", other_tokens, evaluate=False),
+    "non-finite loss": non_finite,
+    "commands": commands,
+}
+
+
+def silent(r) -> bool:
+    """A wrong result nobody is told of: success, with nothing said, where the run did not recover."""
+    return r["exit"] == 0 and not r["line"] and r["recovered"] != "yes"
+
+
+def table(rows, root: str = "") -> str:
+    lines = ["| fault | exit | first error or warning line | traceback | silent wrong result | recovered | data lost |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        line = r["line"].replace(root + "/", "").replace("|", "\\|") if root else r["line"].replace("|", "\\|")
+        line = line if len(line) <= 150 else line[:147] + "..."
+        lines.append(f"| {r['fault']} | {r['exit']} | {line} | {'YES' if r['traceback'] else 'no'} | "
+                     f"{'YES' if silent(r) else 'no'} | {r['recovered']} | {r['lost']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run the faults whose name holds this")
+    parser.add_argument("--out", help="also write the table to this file")
+    args = parser.parse_args()
+    chosen = {name: fn for name, fn in FAULTS.items() if args.only in name}
+    start = time.time()
+    with tempfile.TemporaryDirectory() as root:
+        bench = Bench(root)
+        rows = []
+        for name, fn in chosen.items():
+            print(f"fault: {name} ...", file=sys.stderr, flush=True)
+            out = fn(bench)
+            rows += out if isinstance(out, list) else [out]
+    text = table(rows, root)
+    tracebacks = sum(bool(r["traceback"]) for r in rows)
+    lost = sum(str(r["lost"]).startswith("YES") for r in rows)
+    not_recovered = sum(str(r["recovered"]).startswith("NO") for r in rows)
+    summary = (f"{len(rows)} faults in {time.time() - start:.0f} s: {tracebacks} with a traceback, "
+               f"{sum(map(silent, rows))} silent wrong results, {not_recovered} not recovered, {lost} with data lost")
+    print(text + "\n\n" + summary)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# Fault table\n\n{provenance()}; `python -m tests.faults` (see robustness.md). Paths are "
+                    f"relative to the benchmark's temporary directory.\n\n{text}\n\n{summary}\n")
+
+
+def provenance() -> str:
+    """When, where and on which commit the table was measured."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True)
+    where = f"commit {commit.stdout.strip()}{' with local changes' if dirty.stdout.strip() else ''}" if (
+        commit.returncode == 0) else "outside a git checkout"
+    return f"Measured on {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU cores ({platform.machine()}), {where}"
+
+
+if __name__ == "__main__":
+    main()

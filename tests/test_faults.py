@@ -1,0 +1,375 @@
+"""Faults a careful user causes, each ending in one `error:` line or a clean recovery, never a traceback
+or lost work: damaged checkpoints (fallback to the newest usable step, the damaged one moved aside,
+never deleted), config.train.resume_step, checkpoint writes that fail in the background, run
+directories that cannot hold a run, token data the model cannot read, and a table of bad command
+lines. The one-trainer-per-workdir lock is tested in tests/test_workdir.py and, with real trainers,
+in tests/test_train.py's resume tests. `python tests/faults.py` runs every fault as a benchmark table.
+"""
+
+import concurrent.futures
+import json
+import os
+import resource
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from debug_runs import (
+    RESUME_OVERRIDES, STEPS, assert_clean_error, checkpoint_steps, config_with, describe, module_cmd, read_metrics,
+    run, train_cmd, tree_digest,
+)
+from deltares.data.dataset import TokenData
+from deltares.data.prepare import DataError
+from deltares.eval import evaluate_checkpoint
+from deltares.train import TrainError, train
+from deltares.training.checkpoint import CheckpointError, load_checkpoint
+from jax_cache import ENV, ROOT
+
+
+# ----------------------------------------------------------------------------- damage to a checkpoint
+
+
+def largest_data_file(step_dir):
+    files = []
+    for dirpath, _, names in os.walk(os.path.join(step_dir, "state")):
+        files += [os.path.join(dirpath, n) for n in names if "/d/" in os.path.join(dirpath, n) + "/"]
+    return max(files, key=os.path.getsize)
+
+
+def truncate_array_file(step_dir):
+    path = largest_data_file(step_dir)
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+DAMAGE = {  # what the issue lists: each gave a 160-line traceback and blocked every later run
+    "truncated_array_file": (truncate_array_file, "cut short"),
+    "missing_METADATA": (lambda d: os.remove(os.path.join(d, "state", "_METADATA")), "state/_METADATA is missing"),
+    "missing_state": (lambda d: shutil.rmtree(os.path.join(d, "state")), "state/ is missing"),
+    "empty_config": (lambda d: open(os.path.join(d, "config", "metadata"), "w").close(), "config/metadata is not"),
+}
+
+
+@pytest.fixture
+def finished(reference, tmp_path):
+    """A copy of the finished reference run (checkpoints 24, 28, 30)."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference["workdir"], workdir)
+    assert checkpoint_steps(workdir) == [24, 28, 30]
+    return workdir
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_newest_step_is_moved_aside_and_the_run_resumes_from_the_previous(
+        damage, finished, builtin_dataset, reference, capsys):
+    hurt, reason = DAMAGE[damage]
+    step30 = os.path.join(finished, "checkpoints", "30")
+    hurt(step30)
+    damaged = tree_digest(step30)
+    result = train(config_with(builtin_dataset, **RESUME_OVERRIDES), finished)
+    err = capsys.readouterr().err
+    skipped = [line for line in err.splitlines() if line.startswith("warning: skipped checkpoint step 30")]
+    assert len(skipped) == 1 and reason in skipped[0] and "checkpoints_aside" in skipped[0], err
+    assert f"resumed {finished} from step 28" in err
+    aside = os.path.join(finished, "checkpoints_aside", "30")
+    assert reason in open(os.path.join(aside, "REASON")).read()
+    assert {k: v for k, v in tree_digest(aside).items() if k != "REASON"} == damaged  # moved, not changed or deleted
+    assert checkpoint_steps(finished) == [24, 28, 30] and result["step"] == STEPS
+    records = read_metrics(finished)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert {r["step"]: r["loss"] for r in records} == reference["loss"]  # steps 29, 30 retrained identically
+    assert not os.path.exists(os.path.join(finished, "LOCK"))
+    train(config_with(builtin_dataset, **RESUME_OVERRIDES), finished)  # the next run is not held up by it
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_readers_skip_a_damaged_step_and_change_nothing(finished, builtin_dataset, capsys):
+    truncate_array_file(os.path.join(finished, "checkpoints", "30"))
+    before = tree_digest(finished)
+    loaded = load_checkpoint(finished)
+    assert loaded.step == 28
+    assert "warning: skipped checkpoint step 30" in capsys.readouterr().err
+    assert evaluate_checkpoint(finished, str(builtin_dataset), batch=4, max_batches=1)["step"] == 28
+    from deltares.interop.inference import load_model
+
+    assert load_model(finished).step == 28
+    with pytest.raises(CheckpointError, match="checkpoint step .*30 is damaged: data file"):
+        load_checkpoint(os.path.join(finished, "checkpoints", "30"))  # named by hand: no fallback
+    assert tree_digest(finished) == before
+
+
+def test_damaged_only_step_is_a_clear_error_and_nothing_moves(finished, builtin_dataset):
+    for step in (24, 28):
+        shutil.rmtree(os.path.join(finished, "checkpoints", str(step)))
+    os.remove(os.path.join(finished, "checkpoints", "30", "state", "_METADATA"))
+    before = tree_digest(finished)
+    with pytest.raises(TrainError, match=r"no usable checkpoint .*step 30: state/_METADATA is missing.*nothing was "
+                                         r"moved or deleted"):
+        train(config_with(builtin_dataset, **RESUME_OVERRIDES), finished)
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        load_checkpoint(finished)
+    assert tree_digest(finished) == before
+
+
+def test_resume_step_picks_a_step_and_sets_the_newer_ones_aside(finished, builtin_dataset, reference, capsys):
+    cfg = config_with(builtin_dataset, **RESUME_OVERRIDES)
+    cfg.train.resume_step = 5
+    with pytest.raises(TrainError, match="resume_step=5: .* has no step 5 .*24, 28, 30"):
+        train(cfg, finished)
+    cfg.train.resume_step = 24
+    result = train(cfg, finished)
+    assert f"resumed {finished} from step 24" in capsys.readouterr().err
+    assert sorted(os.listdir(os.path.join(finished, "checkpoints_aside"))) == ["28", "30"]
+    assert result["step"] == STEPS and checkpoint_steps(finished) == [24, 28, 30]
+    records = read_metrics(finished)
+    assert {r["step"]: r["loss"] for r in records} == reference["loss"]
+
+
+# ----------------------------------------------------------------------------- writes that fail
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the subprocess's resource limit is set after fork
+def test_background_save_failure_stops_the_run_with_one_line(tmp_path, builtin_dataset, reference):
+    """Every file written is capped at 100 KB (RLIMIT_FSIZE), so the first checkpoint's arrays cannot be
+    written: orbax fails in its background thread; the trainer reports it as one line, keeps no metrics
+    record that no checkpoint holds, and a later run (without the cap) trains from scratch identically."""
+    workdir = tmp_path / "run"
+    cap = 100_000
+
+    def capped():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+
+    cmd = train_cmd(workdir, f"--config.data.dataset={builtin_dataset}",
+                    *(f"--config.train.{k}={v}" for k, v in RESUME_OVERRIDES.items()))
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240, preexec_fn=capped)
+    line = assert_clean_error(proc, "saving step 4 failed (File too large", "no checkpoint was saved before it")
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, line
+    assert checkpoint_steps(str(workdir)) == [] and read_metrics(str(workdir)) == []
+    assert not (workdir / "LOCK").exists()
+    train(config_with(builtin_dataset, **RESUME_OVERRIDES), str(workdir))
+    assert {r["step"]: r["loss"] for r in read_metrics(str(workdir))} == reference["loss"]
+
+
+@pytest.mark.parametrize("name,kind", [("checkpoints", "file"), ("metrics.jsonl", "dir")])
+def test_run_directory_of_the_wrong_shape_is_refused_before_compiling(tmp_path, builtin_dataset, name, kind,
+                                                                       monkeypatch):
+    import deltares.train as train_module
+
+    def never(*args):
+        raise AssertionError("the train step was built before the run directory was checked")
+
+    monkeypatch.setattr(train_module, "sharded_train_step", never)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / name).mkdir() if kind == "dir" else (workdir / name).write_text("x")
+    before = tree_digest(workdir)
+    with pytest.raises(TrainError, match=f"{name} is a {'folder' if kind == 'dir' else 'file'} where the run keeps"):
+        train(config_with(builtin_dataset), str(workdir))
+    assert tree_digest(workdir) == before and sorted(os.listdir(workdir)) == [name]
+
+
+def read_only_command(directory, cmd):
+    """`cmd` in a process that sees `directory` read-only (a read-only bind mount in a mount namespace of
+    its own when run as root, where permissions do not stop writes; else the directory's mode)."""
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        return cmd
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("root without mount namespaces: no way to make a directory read-only")
+    script = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'
+    return ["unshare", "-m", "sh", "-c", script, str(directory), *cmd]
+
+
+def test_read_only_run_directory_is_refused_before_compiling(finished, builtin_dataset):
+    before = tree_digest(finished)
+    cmd = read_only_command(finished, train_cmd(finished, f"--config.data.dataset={builtin_dataset}"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    os.chmod(finished, 0o755)
+    assert_clean_error(proc, "cannot write to", finished)
+    assert "train:" not in proc.stderr  # no progress bar: nothing was compiled or run
+    assert tree_digest(finished) == before
+
+
+# ----------------------------------------------------------------------------- token data
+
+
+def copy_dataset(dataset, tmp_path, name="data"):
+    out = tmp_path / name
+    shutil.copytree(dataset, out)
+    return out
+
+
+def edit_meta(dataset, **changes):
+    meta = json.loads((dataset / "meta.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    (dataset / "meta.json").write_text(json.dumps(meta))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, builtin_dataset, monkeypatch):
+    data = copy_dataset(builtin_dataset, tmp_path)
+    assert json.loads((data / "meta.json").read_text())["max_token_id"] == 256  # bytes and end-of-text
+    edit_meta(data, max_token_id=300)
+    with pytest.raises(DataError, match=f"{data} holds token id 300, outside the model's vocabulary of 257"):
+        train(config_with(data), str(tmp_path / "run"))
+    # A dataset whose meta.json does not say (written before it recorded the largest id), holding such ids:
+    # the train step reports the largest id of every batch, and the run stops at the first log.
+    edit_meta(data, max_token_id=None)
+    tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
+    tokens[::50] = 400
+    tokens.flush()
+    with pytest.raises(TrainError, match=rf"{data} holds token id 400 \(in the batch of step 1\), outside the "
+                                         r"model's vocabulary of 257.*\. No checkpoint was saved yet"):
+        train(config_with(data, log_every=2, checkpoint_every=2), str(tmp_path / "run2"))
+    assert checkpoint_steps(str(tmp_path / "run2")) == []
+
+
+def test_eval_refuses_ids_outside_the_vocabulary_and_never_reports_nan(tmp_path, builtin_dataset, reference):
+    data = copy_dataset(builtin_dataset, tmp_path)
+    edit_meta(data, max_token_id=None)
+    tokens = np.memmap(data / "val.bin", dtype=np.uint16, mode="r+")
+    tokens[7] = 999
+    tokens.flush()
+    with pytest.raises(DataError, match=r"val.bin holds token id 999, outside the model's vocabulary of 257"):
+        evaluate_checkpoint(reference["workdir"], str(data))
+
+
+def test_truncated_split_names_its_file(tmp_path, builtin_dataset):
+    data = copy_dataset(builtin_dataset, tmp_path)
+    with open(data / "train.bin", "ab") as f:
+        f.write(b"\x01")  # an odd number of bytes of uint16 tokens
+    with pytest.raises(DataError, match=r"train.bin is cut short or not this dataset's"):
+        TokenData(str(data)).tokens("train")
+    with open(data / "val.bin", "r+b") as f:
+        f.truncate(os.path.getsize(data / "val.bin") - 2)  # whole tokens, but fewer than meta.json records
+    with pytest.raises(DataError, match=r"val.bin is cut short"):
+        TokenData(str(data)).tokens("val")
+
+
+def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset, tmp_path):
+    """The run was trained on the bytes tokenizer; a dataset whose tokenizer differs but has the same
+    vocabulary size (here: recorded under another fingerprint) must not resume it or be scored by it."""
+    data = copy_dataset(builtin_dataset, tmp_path)
+    edit_meta(data, tokenizer_sha256="0" * 64)
+    before = tree_digest(finished)
+    cfg = config_with(data, **RESUME_OVERRIDES)
+    cfg.data.dataset = str(builtin_dataset)  # the same path as the run's, other data under it
+    shutil.move(str(builtin_dataset), str(tmp_path / "kept"))
+    try:
+        shutil.copytree(data, builtin_dataset)
+        with pytest.raises(TrainError, match="differs in the tokenizer of the dataset"):
+            train(cfg, finished)
+        with pytest.raises(DataError, match="another tokenizer than the one step 30 was trained with"):
+            evaluate_checkpoint(finished, str(builtin_dataset))
+        edit_meta(builtin_dataset, tokenizer_sha256=None)  # same tokenizer, other token counts: other data
+        splits = json.loads((builtin_dataset / "meta.json").read_text())["splits"]
+        with open(builtin_dataset / "train.bin", "r+b") as f:
+            f.truncate(os.path.getsize(builtin_dataset / "train.bin") - 200)
+        splits["train"]["tokens"] -= 100
+        edit_meta(builtin_dataset, splits=splits)
+        with pytest.raises(TrainError, match="differs in the data under data.dataset"):
+            train(cfg, finished)
+    finally:
+        shutil.rmtree(builtin_dataset)
+        shutil.move(str(tmp_path / "kept"), str(builtin_dataset))
+    assert tree_digest(finished) == before
+
+
+# ----------------------------------------------------------------------------- bad command lines
+
+
+def hf_export_without(tmp_path, field):
+    from conftest import TINY_HF
+
+    out = tmp_path / f"no_{field}"
+    shutil.copytree(TINY_HF, out)
+    config = json.loads((out / "config.json").read_text())
+    del config[field]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def bad_commands(tmp_path, finished, builtin_dataset):
+    """(name, command, words the error line must hold, extra environment)."""
+    debug = os.path.join(ROOT, "experiments", "debug.py")
+    new = tmp_path / "new_run"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    no_heads = hf_export_without(tmp_path, "num_attention_heads")
+    only_step = tmp_path / "only_step"
+    shutil.copytree(finished, only_step)
+    for step in (24, 28):
+        shutil.rmtree(only_step / "checkpoints" / str(step))
+    truncate_array_file(str(only_step / "checkpoints" / "30"))
+    two_devices = {"XLA_FLAGS": (ENV.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
+    train_new = ["deltares.train", "--config", debug, "--workdir", str(new), f"--config.data.dataset={builtin_dataset}"]
+    return [
+        ("unknown field", [*train_new, "--config.train.nonexistent_field=3"],
+         ["--config.train.nonexistent_field", "no such config field"], {}),
+        ("unknown section", [*train_new, "--config.trian.steps=3"], ["did you mean --config.train.steps"], {}),
+        ("value of the wrong type", [*train_new, "--config.train.steps=abc"], ["--config.train.steps=abc"], {}),
+        ("missing experiment file", ["deltares.train", "--config", "experiments/nope.py", "--workdir", str(new)],
+         ["nope.py"], {}),
+        ("unknown residual mode", ["deltares.train", "--config", debug + ":deltaa", "--workdir", str(new)],
+         ["unknown residual mode 'deltaa'"], {}),
+        ("no workdir", ["deltares.train", "--config", debug], ["--workdir"], {}),
+        ("workdir is a file", ["deltares.train", "--config", debug, "--workdir", str(a_file)], ["is a file"], {}),
+        ("batch does not split over the devices", [*train_new, "--config.train.global_batch=3",
+                                                   "--config.mesh.fsdp=2"],
+         ["global_batch=3 does not split over data x fsdp = 2"], two_devices),
+        ("resume_step that does not exist", ["deltares.train", "--config", debug, "--workdir", str(finished),
+                                             f"--config.data.dataset={builtin_dataset}",
+                                             "--config.train.resume_step=7"],
+         ["resume_step=7", "has no step 7"], {}),
+        ("only checkpoint damaged (train)", ["deltares.train", "--config", debug, "--workdir", str(only_step),
+                                             f"--config.data.dataset={builtin_dataset}"],
+         ["no usable checkpoint", "cut short", "nothing was moved"], {}),
+        ("only checkpoint damaged (eval)", ["deltares.eval", "--checkpoint", str(only_step), "--data",
+                                            str(builtin_dataset)], ["no usable checkpoint"], {}),
+        ("eval without --data", ["deltares.eval", "--checkpoint", str(finished)], ["--data"], {}),
+        ("eval of no checkpoint", ["deltares.eval", "--checkpoint", str(tmp_path / "none"), "--data",
+                                   str(builtin_dataset)], ["no checkpoint"], {}),
+        ("convert: export lacks a field", ["deltares.convert", "--hf", str(no_heads), "--out", str(tmp_path / "out")],
+         ["num_attention_heads missing"], {}),
+        ("generate: export lacks a field", ["deltares.generate", "--checkpoint", str(no_heads), "--prompt", "hi"],
+         ["num_attention_heads missing"], {}),
+        ("prepare without --out", ["deltares.data.prepare", "--source", "builtin"], ["--out"], {}),
+    ]
+
+
+def test_bad_command_lines_fail_with_one_line_and_change_nothing(tmp_path, finished, builtin_dataset):
+    cases = bad_commands(tmp_path, finished, builtin_dataset)
+    before = tree_digest(tmp_path)
+
+    def call(case):
+        _, args, _, env = case
+        return subprocess.run(module_cmd(*args), cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True,
+                              timeout=240)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(call, cases))
+    failures = []
+    for (name, _, words, _), proc in zip(cases, procs):
+        try:
+            assert "Traceback" not in proc.stderr
+            assert_clean_error(proc, *words)
+        except AssertionError as err:
+            failures.append(f"{name}: {err}\n{describe(proc)}")
+    assert not failures, "\n\n".join(failures)
+    assert tree_digest(tmp_path) == before  # nothing written or changed (no new run directory either)
+    assert not (tmp_path / "new_run").exists()
+
+
+def test_prompt_longer_than_the_context_is_cut_with_a_warning(reference):
+    long_prompt = "Call me Ishmael. " * 20  # 340 byte tokens; the debug model was trained on 32
+    proc = run(module_cmd("deltares.generate", "--checkpoint", reference["workdir"], "--prompt", long_prompt,
+                          "--max_new_tokens", "4", "--temperature", "0"))
+    assert proc.returncode == 0, describe(proc)
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: prompt 0 has 340 tokens, more than the model's context of 32 (its training "
+                        "sequence length): only its last 32 are used"], proc.stderr
+    assert proc.stdout.startswith(long_prompt)

@@ -43,7 +43,7 @@ from absl import flags
 from deltares.training.checkpoint import load_checkpoint
 from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches, text_tokens
-from deltares.data.prepare import DataError
+from deltares.data.documents import DataError
 from deltares.data.runs import run_dataset_path
 from deltares.interop.inference import check_params
 from deltares.nn.layers import DepthRouter
@@ -98,13 +98,13 @@ def held_out_tokens(run: Run, data: str | None) -> tuple[np.ndarray, str]:
     validation split. Returns the tokens and a description of where they come from."""
     own = run_dataset_path(run.config.to_dict(), run.workdir)
     if data is None:
-        tokens, source = TokenData(own).tokens("val"), os.path.join(own, "val.bin")
+        tokens, source = TokenData(own).tokens("val"), os.path.join(own, "val")
     elif os.path.isdir(data):
-        tokens, source = TokenData(data).tokens("val"), os.path.join(data, "val.bin")
+        tokens, source = TokenData(data).tokens("val"), os.path.join(data, "val")
     else:  # local text, read and tokenized as deltares.eval does
         tokens, _ = text_tokens(data, TokenData(own).tokenizer())
         source = data
-    vocab = int(np.max(tokens)) + 1 if len(tokens) else 0
+    vocab = int(tokens.max()) + 1 if len(tokens) else 0
     if vocab > run.config.model.vocab_size:
         raise DataError(f"{source} has token ids up to {vocab - 1}, beyond the vocabulary of {run.name} "
                         f"({run.config.model.vocab_size})")

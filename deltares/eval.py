@@ -28,8 +28,9 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
+from deltares.data import paths
 from deltares.data.dataset import TokenData, Windows, eval_batches, text_tokens
-from deltares.data.prepare import DataError
+from deltares.data.documents import DataError
 from deltares.data.runs import check_token_ids, run_dataset_path
 from deltares.nn.model import Transformer
 from deltares.training.checkpoint import CheckpointError, load_checkpoint
@@ -55,10 +56,10 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches:
     if os.path.isdir(data) and not os.path.exists(os.path.join(data, "meta.json")):
         raise DataError(f"{data} is a directory but not a prepared dataset (no meta.json); for text files "
                         f"pass them or a glob such as '{data}/*.txt'")
-    if os.path.isdir(data):
+    if os.path.isdir(data) or paths.is_remote(data):  # a prepared dataset, on a disk or a bucket
         dataset = TokenData(data)
         tokens, n_bytes = dataset.tokens("val"), dataset.meta["splits"]["val"]["bytes"]
-        where = f"{data}/val.bin"
+        where = f"{data} (its validation split)"
         _check_tokenizer(dataset, ckpt)
     else:
         dataset = TokenData(run_dataset_path(ckpt.config, ckpt.workdir))
@@ -67,7 +68,7 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches:
     if dataset.vocab_size > cfg.model.vocab_size:
         raise DataError(f"data vocabulary {dataset.vocab_size} is larger than the model's {cfg.model.vocab_size}")
     check_token_ids([tokens], cfg.model.vocab_size, where)
-    eval_step = jax.jit(make_eval_step(Transformer(cfg.model)))
+    eval_step = jax.jit(make_eval_step(Transformer(cfg.model), dataset.eos_id if cfg.data.document_mask else None))
     params = ckpt.state["params"]
     if max_batches:  # the trainer's validation set and bytes-per-token estimate
         batches = eval_batches(tokens, cfg.data.seq_len, batch, max_batches)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from deltares.data.dataset import TokenData, train_dataset
-from deltares.data.prepare import BUILTIN, prepare
+from deltares.data.documents import BUILTIN
+from deltares.data.prepare import prepare
 from deltares.nn.layers import DepthRouter
 from deltares.nn.routed import DepthRouting
 

@@ -244,7 +244,7 @@ def bad_token_ids(bench):
     del meta["max_token_id"]  # as a dataset prepared before prepare recorded it, disagreeing with its tokens
     open(os.path.join(data, "meta.json"), "w").write(json.dumps(meta))
     for split in ("train", "val"):
-        tokens = np.memmap(os.path.join(data, f"{split}.bin"), dtype=np.uint16, mode="r+")
+        tokens = np.memmap(tf.shard(__import__("pathlib").Path(data), split), dtype=np.uint16, mode="r+")
         tokens[::50] = 400
         tokens.flush()
     workdir = bench.dir("bad_ids")
@@ -256,9 +256,9 @@ def bad_token_ids(bench):
 
 def odd_length_split(bench):
     data = dataset_copy(bench, "data_odd")
-    with open(os.path.join(data, "train.bin"), "ab") as f:
+    with open(tf.shard(__import__("pathlib").Path(data), "train"), "ab") as f:
         f.write(b"\x01")
-    return row("train.bin of odd length", bench.train(bench.dir("odd"), f"--config.data.dataset={data}"))
+    return row("token file of odd length", bench.train(bench.dir("odd"), f"--config.data.dataset={data}"))
 
 
 def other_data_same_path(bench, name, edit, evaluate=True):
@@ -285,11 +285,7 @@ def other_tokenizer(data):
 
 
 def other_tokens(data):
-    path = __import__("pathlib").Path(data)
-    meta = json.loads((path / "meta.json").read_text())
-    os.truncate(path / "train.bin", os.path.getsize(path / "train.bin") - 200)
-    meta["splits"]["train"]["tokens"] -= 100
-    tf.edit_meta(path, splits=meta["splits"])
+    tf.shrink_train(__import__("pathlib").Path(data), 100)
 
 
 def non_finite(bench):

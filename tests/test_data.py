@@ -7,8 +7,8 @@ window starting at token `i * seq_len` begins with the value `i * seq_len`).
 """
 
 import gzip
+import hashlib
 import json
-import os
 import re
 
 import numpy as np
@@ -16,7 +16,8 @@ import pytest
 import tokenizers
 
 from deltares.data.dataset import TokenData, Windows, eval_batches, train_dataset, train_iterator
-from deltares.data.prepare import DataError, prepare, read_documents, read_text, split_documents
+from deltares.data.documents import DataError, read_documents, read_text, split_documents
+from deltares.data.prepare import prepare
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -50,7 +51,24 @@ def write_corpus(path, docs, seps=None):
 
 
 def read_bin(out_dir, split, dtype):
-    return np.fromfile(os.path.join(out_dir, f"{split}.bin"), dtype=dtype)
+    tokens = np.asarray(TokenData(str(out_dir)).tokens(split))
+    assert tokens.dtype == dtype
+    return tokens
+
+
+def held(doc, val_fraction):
+    """The validation split's rule, written out: blake2b-64 of the document's first 64 KiB of UTF-8,
+    little-endian, modulo a million, below val_fraction in millionths."""
+    digest = hashlib.blake2b(doc.encode("utf-8")[: 1 << 16], digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 1_000_000 < round(val_fraction * 1_000_000)
+
+
+def by_hash(docs, val_fraction):
+    return [d for d in docs if not held(d, val_fraction)], [d for d in docs if held(d, val_fraction)]
+
+
+def split_stats(meta_split):
+    return {k: v for k, v in meta_split.items() if k != "shards"}
 
 
 def split_at_eos(tokens, eos):
@@ -130,9 +148,9 @@ def test_prepare_text_files_splits_whole_documents(tmp_path):
     out = tmp_path / "ds"
     meta = prepare(f"{tmp_path}/a.txt,{tmp_path}/b.txt.gz", "bytes", str(out), val_fraction=0.25, progress=False)
 
-    # val = the last quarter of each file's documents (round(8/4)=2, round(12/4)=3), train = the rest
-    want_train = docs_a[:6] + docs_b[:9]
-    want_val = docs_a[6:] + docs_b[9:]
+    # val: the documents the hash holds out, whichever file; train: the rest; file and document order kept
+    want_train, want_val = by_hash(docs_a + docs_b, 0.25)
+    assert want_val and want_train
     got_train, got_val = byte_docs(out, "train"), byte_docs(out, "val")
     assert sorted(got_train) == sorted(want_train)
     assert sorted(got_val) == sorted(want_val)
@@ -143,10 +161,9 @@ def test_prepare_text_files_splits_whole_documents(tmp_path):
     assert on_disk == meta
     assert meta["tokenizer"] == "bytes" and meta["vocab_size"] == 257 and meta["eos_id"] == 256
     assert meta["dtype"] == "uint16"
-    assert meta["splits"]["train"] == expected_split_stats(want_train)
-    assert meta["splits"]["val"] == expected_split_stats(want_val)
+    assert split_stats(meta["splits"]["train"]) == expected_split_stats(want_train)
+    assert split_stats(meta["splits"]["val"]) == expected_split_stats(want_val)
     assert not (out / "tokenizer.json").exists()  # bytes needs none
-    assert not os.path.exists(str(out) + ".partial")
 
     data = TokenData(str(out))
     assert data.tokens("train").dtype == np.uint16 and len(data.tokens("train")) == meta["splits"]["train"]["tokens"]
@@ -155,16 +172,24 @@ def test_prepare_text_files_splits_whole_documents(tmp_path):
 
 
 def test_prepare_glob_and_single_document_file(tmp_path):
-    """A glob picks files in sorted order; a one-document file contributes it to training only."""
+    """A glob picks files in sorted order; a corpus of one document per file has a validation split."""
     (tmp_path / "c").mkdir()
     write_corpus(tmp_path / "c" / "2.txt", make_docs(4, 3, "two"))
     write_corpus(tmp_path / "c" / "1.txt", make_docs(4, 4, "one"))
     write_corpus(tmp_path / "c" / "3.txt", ["lonely single document"])
     out = tmp_path / "ds"
     prepare(str(tmp_path / "c" / "*.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
-    one, two = make_docs(4, 4, "one"), make_docs(4, 3, "two")
-    assert byte_docs(out, "train") == one[:3] + two[:3] + ["lonely single document"]
-    assert byte_docs(out, "val") == one[3:] + two[3:]
+    want_train, want_val = by_hash(make_docs(4, 4, "one") + make_docs(4, 3, "two") + ["lonely single document"], 0.25)
+    assert byte_docs(out, "train") == want_train and byte_docs(out, "val") == want_val
+
+    singles = make_docs(40, 9, "single")
+    (tmp_path / "d").mkdir()
+    for i, doc in enumerate(singles):
+        write_corpus(tmp_path / "d" / f"{i:02d}.txt", [doc])
+    prepare(str(tmp_path / "d" / "*.txt"), "bytes", str(tmp_path / "ds1"), val_fraction=0.2, progress=False)
+    want_train, want_val = by_hash(singles, 0.2)
+    assert byte_docs(tmp_path / "ds1", "val") == want_val and len(want_val) >= 2
+    assert byte_docs(tmp_path / "ds1", "train") == want_train
 
 
 @pytest.mark.parametrize(
@@ -183,7 +208,7 @@ def test_prepare_bad_sources_raise_data_error_and_write_nothing(tmp_path, make_s
     out = tmp_path / "out"
     with pytest.raises(DataError):
         prepare(make_source(tmp_path), "bytes", str(out), val_fraction=0.1, progress=False)
-    assert not out.exists() and not os.path.exists(str(out) + ".partial")
+    assert not out.exists()
 
 
 def test_prepare_bad_val_fraction_and_tokenizer(tmp_path):
@@ -197,13 +222,17 @@ def test_prepare_bad_val_fraction_and_tokenizer(tmp_path):
         prepare(str(tmp_path / "a.txt"), "bpe:100", str(tmp_path / "o"), val_fraction=0.25, progress=False)
 
 
-def test_prepare_replaces_an_existing_output(tmp_path):
-    write_corpus(tmp_path / "a.txt", make_docs(4, 0, "old"))
-    write_corpus(tmp_path / "b.txt", make_docs(4, 1, "new"))
+def test_prepare_refuses_other_input_into_a_dataset_and_replaces_it_on_request(tmp_path):
+    write_corpus(tmp_path / "a.txt", make_docs(20, 0, "old"))
+    write_corpus(tmp_path / "b.txt", make_docs(20, 1, "new"))
     out = tmp_path / "ds"
-    prepare(str(tmp_path / "a.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
-    prepare(str(tmp_path / "b.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
-    assert byte_docs(out, "train") == make_docs(4, 1, "new")[:3]
+    first = prepare(str(tmp_path / "a.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
+    assert prepare(str(tmp_path / "a.txt"), "bytes", str(out), val_fraction=0.25, progress=False) == first
+    with pytest.raises(DataError, match=r"prepared from other input \(differs in source, units\).*--overwrite"):
+        prepare(str(tmp_path / "b.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
+    assert byte_docs(out, "train") == by_hash(make_docs(20, 0, "old"), 0.25)[0]  # untouched
+    prepare(str(tmp_path / "b.txt"), "bytes", str(out), val_fraction=0.25, progress=False, overwrite=True)
+    assert byte_docs(out, "train") == by_hash(make_docs(20, 1, "new"), 0.25)[0]
 
 
 def test_token_data_rejects_unprepared_dirs(tmp_path):
@@ -233,10 +262,10 @@ def test_bpe_tokenizer_trained_and_cached(tmp_path):
 
     train_ids = read_bin(out, "train", np.uint16)
     assert int(train_ids.max()) < 320
-    n_val = 6  # round(60 * 0.1)
+    want_train, _ = by_hash(docs, 0.1)
     got_docs = split_at_eos(train_ids, eos)
-    assert len(got_docs) == 60 - n_val
-    for ids, doc in zip(got_docs, docs[: 60 - n_val]):
+    assert len(got_docs) == len(want_train)
+    for ids, doc in zip(got_docs, want_train):
         assert stored.decode(ids) == doc  # byte-level BPE round-trips exactly
         assert stored.encode(doc, add_special_tokens=False).ids == ids  # ids are the stored tokenizer's
     # it actually merges: fewer tokens than bytes
@@ -245,7 +274,7 @@ def test_bpe_tokenizer_trained_and_cached(tmp_path):
     # TokenData restores the same tokenizer from tokenizer.json (not by retraining)
     tok = TokenData(str(out)).tokenizer()
     assert tok.vocab_size == 320 and tok.eos_id == eos
-    assert tok.encode(docs[0]) == got_docs[0]
+    assert tok.encode(want_train[0]) == got_docs[0]
 
 
 def test_gpt2_tokenizer_round_trip(tmp_path):
@@ -257,10 +286,12 @@ def test_gpt2_tokenizer_round_trip(tmp_path):
     train = read_bin(out, "train", np.uint16)
     assert [int(t) for t in train[:3]] == [15496, 995, 50256]  # GPT-2 ids of "Hello", " world", <|endoftext|>
     tok = TokenData(str(out)).tokenizer()
+    want_train, want_val = by_hash(docs, 0.25)
+    assert want_train == [docs[0], docs[2]] and want_val == [docs[1], docs[3]]  # the hash's choice, as written
     decoded = [tok.decode(d) for d in split_at_eos(train, 50256)]
-    assert decoded == docs[:3]
-    assert [tok.decode(d) for d in split_at_eos(read_bin(out, "val", np.uint16), 50256)] == docs[3:]
-    assert meta["splits"]["train"]["bytes"] == sum(len(d.encode()) + 1 for d in docs[:3])
+    assert decoded == want_train
+    assert [tok.decode(d) for d in split_at_eos(read_bin(out, "val", np.uint16), 50256)] == want_val
+    assert meta["splits"]["train"]["bytes"] == sum(len(d.encode()) + 1 for d in want_train)
 
 
 # ----------------------------------------------------------------------------- prepare: Hugging Face datasets
@@ -283,13 +314,12 @@ def test_prepare_local_hf_dataset(tmp_path, hf_records, layout):
         table.save_to_disk(str(src))
     out = tmp_path / "ds"
     meta = prepare(f"hf:{src}", "bytes", str(out), val_fraction=0.25, progress=False)
-    # every 4th record (indices 3, 7, 11, ...) is held out
-    want_val = [r for i, r in enumerate(hf_records) if i % 4 == 3]
-    want_train = [r for i, r in enumerate(hf_records) if i % 4 != 3]
+    # the records the hash holds out, as for text
+    want_train, want_val = by_hash(hf_records, 0.25)
     assert byte_docs(out, "train") == want_train
     assert byte_docs(out, "val") == want_val
-    assert meta["splits"]["train"] == expected_split_stats(want_train)
-    assert meta["splits"]["val"] == expected_split_stats(want_val)
+    assert split_stats(meta["splits"]["train"]) == expected_split_stats(want_train)
+    assert split_stats(meta["splits"]["val"]) == expected_split_stats(want_val)
     assert meta["source"] == f"hf:{src}"
 
     with pytest.raises(DataError, match="body"):
@@ -406,6 +436,9 @@ def test_validation_batches_fixed_and_in_order():
     again = eval_batches(tokens, SEQ, 3)
     for x, y in zip(got, again):
         np.testing.assert_array_equal(x, y)
+    # fewer batches than the split holds: windows spread evenly over it, not its first ones only
+    spread = eval_batches(tokens, SEQ, 3, max_batches=1)
+    assert len(spread) == 1 and window_ids(spread[0]) == [0, 3, 7]  # windows i * 11 // 3
     assert len(eval_batches(tokens, SEQ, 3, max_batches=2)) == 2
     with pytest.raises(DataError, match="fewer than one evaluation batch"):
         eval_batches(arange_tokens(2 * SEQ + 1), SEQ, 3)
@@ -417,10 +450,10 @@ def test_token_data_reads_prepared_splits(tmp_path):
     out = tmp_path / "ds"
     meta = prepare(str(tmp_path / "a.txt"), "bytes", str(out), val_fraction=0.2, progress=False)
     data = TokenData(str(out))
-    want = b"".join(d.encode() + b"\xff" for d in docs[:8])  # 0xff stands in for eos (256)
+    want = b"".join(d.encode() + b"\xff" for d in by_hash(docs, 0.2)[0])  # 0xff stands in for eos (256)
     got = np.where(np.asarray(data.tokens("train")) == 256, 255, np.asarray(data.tokens("train")))
     assert bytes(got.astype(np.uint8)) == want
     assert data.bytes_per_token("val") == pytest.approx(meta["splits"]["val"]["bytes"] / meta["splits"]["val"]["tokens"])
-    (out / "val.bin").write_bytes(b"")
+    (out / "val" / "00000.bin").write_bytes(b"")
     with pytest.raises(DataError, match="empty"):
-        data.tokens("val")
+        TokenData(str(out)).tokens("val")

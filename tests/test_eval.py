@@ -26,9 +26,11 @@ import pytest
 import tensorstore as ts
 
 from jax_cache import ENV, ROOT
+from test_data import by_hash
 from deltares.training.checkpoint import Checkpointer, load_checkpoint
 from deltares.data.dataset import TokenData
-from deltares.data.prepare import DataError, builtin_path, prepare
+from deltares.data.documents import DataError, builtin_path
+from deltares.data.prepare import prepare
 from deltares.eval import evaluate_checkpoint
 from deltares.nn.model import Transformer
 from deltares.training.steps import build, make_init, make_train_step
@@ -127,10 +129,10 @@ def test_bits_per_byte_of_text_and_prepared_dataset(run):
     eos = meta["eos_id"]
     params = run["state"]["params"]
     docs = hand_documents(run["text"])
-    n_val = round(N_DOCS * VAL_FRACTION)
+    train_docs, val_docs = by_hash(docs, VAL_FRACTION)  # the documents the hash of their text holds out
     # prepare counts bytes as evaluation does
-    assert meta["splits"]["train"]["bytes"] == text_bytes(docs[:-n_val])
-    assert meta["splits"]["val"]["bytes"] == text_bytes(docs[-n_val:])
+    assert meta["splits"]["train"]["bytes"] == text_bytes(train_docs)
+    assert meta["splits"]["val"]["bytes"] == text_bytes(val_docs)
 
     # the text file, plain and gzipped: every token scored, every byte counted
     tokens = hand_tokens(docs, tokenizer_json, eos)
@@ -143,11 +145,11 @@ def test_bits_per_byte_of_text_and_prepared_dataset(run):
     assert len(tokens) % L and (len(tokens) // L) % 8  # a short last batch and a short last window, both scored
 
     # the prepared dataset's validation split
-    val_tokens = hand_tokens(docs[-n_val:], tokenizer_json, eos)
+    val_tokens = hand_tokens(val_docs, tokenizer_json, eos)
     np.testing.assert_array_equal(TokenData(run["dataset"]).tokens("val"), val_tokens)
     result = evaluate_checkpoint(run["workdir"], run["dataset"], batch=3)
     check_bits_per_byte(result, reference_nats(params, run["cfg"], val_tokens, eos), len(val_tokens),
-                        text_bytes(docs[-n_val:]))
+                        text_bytes(val_docs))
 
 
 def test_glob_and_comma_list_read_like_the_whole_text(run):

@@ -21,7 +21,7 @@ from debug_runs import (
     run, train_cmd, tree_digest,
 )
 from deltares.data.dataset import TokenData
-from deltares.data.prepare import DataError
+from deltares.data.documents import DataError
 from deltares.eval import evaluate_checkpoint
 from deltares.train import TrainError, train
 from deltares.training.checkpoint import CheckpointError, load_checkpoint
@@ -210,6 +210,20 @@ def edit_meta(dataset, **changes):
     (dataset / "meta.json").write_text(json.dumps(meta))
 
 
+def shard(dataset, split):
+    """The token file of a split of a one-unit dataset (the built-in corpus is one unit)."""
+    return dataset / split / "00000.bin"
+
+
+def shrink_train(dataset, n_tokens):
+    """Other data under the same path: the training split `n_tokens` shorter, meta.json saying so."""
+    meta = json.loads((dataset / "meta.json").read_text())
+    os.truncate(shard(dataset, "train"), os.path.getsize(shard(dataset, "train")) - 2 * n_tokens)
+    meta["splits"]["train"]["tokens"] -= n_tokens
+    meta["splits"]["train"]["shards"][0][1] -= n_tokens
+    edit_meta(dataset, splits=meta["splits"])
+
+
 def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, builtin_dataset, monkeypatch):
     data = copy_dataset(builtin_dataset, tmp_path)
     assert json.loads((data / "meta.json").read_text())["max_token_id"] == 256  # bytes and end-of-text
@@ -219,7 +233,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, builtin_dataset,
     # A dataset whose meta.json does not say (written before it recorded the largest id), holding such ids:
     # the train step reports the largest id of every batch, and the run stops at the first log.
     edit_meta(data, max_token_id=None)
-    tokens = np.memmap(data / "train.bin", dtype=np.uint16, mode="r+")
+    tokens = np.memmap(shard(data, "train"), dtype=np.uint16, mode="r+")
     tokens[::50] = 400
     tokens.flush()
     with pytest.raises(TrainError, match=rf"{data} holds token id 400 \(in the batch of step 1\), outside the "
@@ -231,22 +245,22 @@ def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, builtin_dataset,
 def test_eval_refuses_ids_outside_the_vocabulary_and_never_reports_nan(tmp_path, builtin_dataset, reference):
     data = copy_dataset(builtin_dataset, tmp_path)
     edit_meta(data, max_token_id=None)
-    tokens = np.memmap(data / "val.bin", dtype=np.uint16, mode="r+")
+    tokens = np.memmap(shard(data, "val"), dtype=np.uint16, mode="r+")
     tokens[7] = 999
     tokens.flush()
-    with pytest.raises(DataError, match=r"val.bin holds token id 999, outside the model's vocabulary of 257"):
+    with pytest.raises(DataError, match=r"\(its validation split\) holds token id 999, outside the model's "
+                                        r"vocabulary of 257"):
         evaluate_checkpoint(reference["workdir"], str(data))
 
 
 def test_truncated_split_names_its_file(tmp_path, builtin_dataset):
     data = copy_dataset(builtin_dataset, tmp_path)
-    with open(data / "train.bin", "ab") as f:
+    with open(shard(data, "train"), "ab") as f:
         f.write(b"\x01")  # an odd number of bytes of uint16 tokens
-    with pytest.raises(DataError, match=r"train.bin is cut short or not this dataset's"):
+    with pytest.raises(DataError, match=r"train/00000.bin is cut short or not this dataset's"):
         TokenData(str(data)).tokens("train")
-    with open(data / "val.bin", "r+b") as f:
-        f.truncate(os.path.getsize(data / "val.bin") - 2)  # whole tokens, but fewer than meta.json records
-    with pytest.raises(DataError, match=r"val.bin is cut short"):
+    os.truncate(shard(data, "val"), os.path.getsize(shard(data, "val")) - 2)  # whole tokens, fewer than recorded
+    with pytest.raises(DataError, match=r"val/00000.bin is cut short"):
         TokenData(str(data)).tokens("val")
 
 
@@ -266,11 +280,7 @@ def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset
         with pytest.raises(DataError, match="another tokenizer than the one step 30 was trained with"):
             evaluate_checkpoint(finished, str(builtin_dataset))
         edit_meta(builtin_dataset, tokenizer_sha256=None)  # same tokenizer, other token counts: other data
-        splits = json.loads((builtin_dataset / "meta.json").read_text())["splits"]
-        with open(builtin_dataset / "train.bin", "r+b") as f:
-            f.truncate(os.path.getsize(builtin_dataset / "train.bin") - 200)
-        splits["train"]["tokens"] -= 100
-        edit_meta(builtin_dataset, splits=splits)
+        shrink_train(builtin_dataset, 100)
         with pytest.raises(TrainError, match="differs in the data under data.dataset"):
             train(cfg, finished)
     finally:

@@ -1,55 +1,70 @@
 """Reading prepared token data: fixed windows, a seeded global shuffle, per-process shards.
 
-Training windows are `seq_len + 1` tokens taken every `seq_len` tokens of the flat
-training array (so inputs and next-token targets come from one window). The grain
-pipeline is a pure function of (seed, step): `MapDataset` shuffles the windows
-globally with a new permutation each epoch, each process takes every
-`process_count`-th window, and batches are prefetched. Its iterator state (a few
-integers) goes into every checkpoint, so a resumed run reads exactly the batches
-an uninterrupted one would have. Validation windows are fixed and in order.
+Training windows are `seq_len + 1` tokens taken every `seq_len` tokens of a split's token
+stream (so inputs and next-token targets come from one window). The grain pipeline is a pure
+function of (seed, step): `MapDataset` shuffles the window indices globally with a new
+permutation each epoch, each process takes every `process_count`-th window, and each batch of
+windows is read at once (one concurrent request on a bucket) while the next ones are prefetched.
+Its iterator state (a few integers) goes into every checkpoint, so a resumed run reads exactly
+the batches an uninterrupted one would have. Validation windows are fixed, spread evenly over the
+validation split.
+
+A dataset directory may be local or on a bucket (`gs://`, `s3://`): its token files are read
+with byte-range requests there (deltares.data.shards), each process reading only its own windows.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import grain
 import numpy as np
+from etils import epath
 
-from deltares.data.prepare import DATASET_FORMAT, DataError, document_bytes, encode_documents, read_documents
-from deltares.data.tokenizer import tokenizer_from_meta, tokenizer_sha256
+from deltares.data import paths
+from deltares.data.documents import DataError, document_bytes, read_documents
+from deltares.data.prepare import READABLE_FORMATS, SPLITS
+from deltares.data.shards import Shard, Tokens
+from deltares.data.tokenizer import encode_documents, tokenizer_from_json, tokenizer_sha256
 
 
 class TokenData:
-    """A prepared dataset directory: metadata, tokenizer and memory-mapped splits."""
+    """A prepared dataset directory (local or on a bucket): metadata, tokenizer and splits."""
 
     def __init__(self, path: str):
-        meta_path = os.path.join(path, "meta.json")
-        if not os.path.exists(meta_path):
+        path = paths.run_dir(path)
+        root = epath.Path(path)
+        try:
+            text = (root / "meta.json").read_text() if (root / "meta.json").exists() else None
+        except OSError as err:
+            raise DataError(f"cannot read {path}: {err}") from None
+        if text is None:
             raise DataError(f"{path} is not a prepared dataset (no meta.json); run python -m deltares.data.prepare")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        if self.meta.get("format") != DATASET_FORMAT:
-            raise DataError(f"{path}: dataset format {self.meta.get('format')} is not {DATASET_FORMAT}; prepare it again")
+        try:
+            self.meta = json.loads(text)
+        except ValueError:
+            raise DataError(f"{path}/meta.json is not readable JSON; prepare the dataset again") from None
+        if self.meta.get("format") not in READABLE_FORMATS:
+            raise DataError(f"{path}: dataset format {self.meta.get('format')} is not one of {READABLE_FORMATS}; "
+                            "prepare it again")
         self.path = path
         self.vocab_size = self.meta["vocab_size"]
         self.eos_id = self.meta["eos_id"]
+        self._tokens = {}
 
-    def tokens(self, split: str) -> np.ndarray:
-        """The split's tokens, memory-mapped; DataError naming the file when it is missing, empty, or
-        not the length meta.json records (cut short, or another dataset's)."""
-        file = os.path.join(self.path, f"{split}.bin")
-        if not os.path.exists(file) or os.path.getsize(file) == 0:
-            raise DataError(f"{file} is missing or empty")
-        size, itemsize = os.path.getsize(file), np.dtype(self.meta["dtype"]).itemsize
-        want = self.meta.get("splits", {}).get(split, {}).get("tokens")
-        if size % itemsize or (want is not None and size // itemsize != want):
-            raise DataError(
-                f"{file} is cut short or not this dataset's: {size} bytes, where meta.json records "
-                f"{want} {self.meta['dtype']} tokens ({(want or 0) * itemsize} bytes); prepare it again"
-            )
-        return np.memmap(file, dtype=self.meta["dtype"], mode="r")
+    def tokens(self, split: str) -> Tokens:
+        """The split's tokens as one array (`Tokens`); DataError naming the file when one is missing,
+        empty, or not the length meta.json records (cut short, or another dataset's)."""
+        if split not in self._tokens:
+            info = self.meta["splits"][split]
+            if self.meta["format"] == 1:  # one flat file per split
+                shards = [Shard(paths.join(self.path, f"{split}.bin"), info["tokens"])]
+            else:
+                shards = [Shard(paths.join(self.path, name + ".bin"), n) for name, n in info["shards"]]
+            if not shards or not info["tokens"]:
+                raise DataError(f"{self.path}: the {split} split is missing or empty")
+            self._tokens[split] = Tokens(shards, self.meta["dtype"])
+        return self._tokens[split]
 
     @property
     def tokenizer_fingerprint(self) -> str:
@@ -57,8 +72,8 @@ class TokenData:
         return self.meta.get("tokenizer_sha256") or tokenizer_sha256(self.meta["tokenizer"], self._tokenizer_json())
 
     def _tokenizer_json(self) -> str | None:
-        path = os.path.join(self.path, "tokenizer.json")
-        return open(path, encoding="utf-8").read() if os.path.exists(path) else None
+        path = epath.Path(self.path) / "tokenizer.json"
+        return path.read_text() if path.exists() else None
 
     def record(self) -> dict:
         """What a checkpoint keeps of the dataset it was trained on, to recognise other data later."""
@@ -73,12 +88,25 @@ class TokenData:
             raise DataError(f"{self.path} holds token id {top}, outside the model's vocabulary of {vocab_size} "
                             "(config.model.vocab_size)")
 
+    def unigram(self) -> np.ndarray:
+        """int64 [2, vocab]: token counts of the train and validation splits (stored by prepare; counted
+        here in chunks, in bounded memory, for datasets prepared before it stored them)."""
+        stored = epath.Path(self.path) / "unigram.npy"
+        if stored.exists():
+            with stored.open("rb") as f:
+                return np.load(f)
+        counts = np.zeros((2, self.vocab_size), np.int64)
+        for s, split in enumerate(SPLITS):
+            for chunk in self.tokens(split).chunks():
+                counts[s] += np.bincount(chunk, minlength=self.vocab_size)[: self.vocab_size]
+        return counts
+
     def bytes_per_token(self, split: str) -> float:
         info = self.meta["splits"][split]
         return info["bytes"] / info["tokens"]
 
     def tokenizer(self):
-        return tokenizer_from_meta(self.meta, self.path)
+        return tokenizer_from_json(self.meta["tokenizer"], self._tokenizer_json())
 
 
 class Windows:
@@ -95,6 +123,14 @@ class Windows:
         start = int(i) * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
+    def batch(self, indices) -> np.ndarray:
+        """[len(indices), seq_len + 1] int32: the windows at `indices`, read together."""
+        starts = np.asarray(indices, np.int64) * self.seq_len
+        if isinstance(self.tokens, Tokens):
+            return self.tokens.windows(starts, self.seq_len + 1)
+        return np.stack([self[i] for i in np.asarray(indices)]) if len(starts) else np.zeros((0, self.seq_len + 1),
+                                                                                              np.int32)
+
 
 def train_dataset(tokens, seq_len, global_batch, seed, process_index=0, process_count=1) -> grain.MapDataset:
     """An infinite, shuffled `MapDataset` of this process's [global_batch / process_count, seq_len + 1] batches."""
@@ -106,9 +142,9 @@ def train_dataset(tokens, seq_len, global_batch, seed, process_index=0, process_
             f"training split has {len(tokens)} tokens: {len(windows)} windows of {seq_len + 1}, "
             f"fewer than one batch of {global_batch}"
         )
-    ds = grain.MapDataset.source(windows).seed(seed).shuffle().repeat()
+    ds = grain.MapDataset.range(len(windows)).seed(seed).shuffle().repeat()
     ds = ds[process_index::process_count]
-    return ds.batch(global_batch // process_count, drop_remainder=True)
+    return ds.batch(global_batch // process_count, drop_remainder=True).map(windows.batch)
 
 
 def train_iterator(ds: grain.MapDataset, prefetch: int = 4):
@@ -117,7 +153,8 @@ def train_iterator(ds: grain.MapDataset, prefetch: int = 4):
 
 
 def eval_batches(tokens, seq_len: int, batch: int, max_batches: int | None = None) -> list[np.ndarray]:
-    """The fixed validation set: consecutive windows in order, as full batches (at least one)."""
+    """The fixed validation set, as full batches (at least one): all windows in order, or with
+    `max_batches` that many batches of windows spread evenly over the split (not its first files only)."""
     windows = Windows(tokens, seq_len)
     n_batches = len(windows) // batch
     if n_batches == 0:
@@ -125,9 +162,13 @@ def eval_batches(tokens, seq_len: int, batch: int, max_batches: int | None = Non
             f"validation split has {len(tokens)} tokens: {len(windows)} windows of {seq_len + 1}, "
             f"fewer than one evaluation batch of {batch}"
         )
-    if max_batches:
-        n_batches = min(n_batches, max_batches)
-    return [np.stack([windows[b * batch + i] for i in range(batch)]) for b in range(n_batches)]
+    spread = bool(max_batches) and max_batches < n_batches
+    if spread:
+        n_batches = max_batches
+    n = n_batches * batch
+    picked = np.arange(n, dtype=np.int64) * len(windows) // n if spread else np.arange(n, dtype=np.int64)
+    rows = windows.batch(picked)
+    return [rows[b * batch : (b + 1) * batch] for b in range(n_batches)]
 
 
 def text_tokens(source: str, tokenizer) -> tuple[np.ndarray, int]:

@@ -1,165 +1,292 @@
-"""Tokenize a corpus once into packed token arrays with a held-out validation split.
+"""Tokenize a corpus once into sharded token files with a held-out validation split.
 
     python -m deltares.data.prepare --source builtin --tokenizer bpe:4096 --out data/moby
-    python -m deltares.data.prepare --source 'corpora/*.txt.gz' --tokenizer gpt2 --out data/pd
+    python -m deltares.data.prepare --source 'corpora/*.txt.gz' --tokenizer gpt2 --out data/pd --workers 2
     python -m deltares.data.prepare --source hf:HuggingFaceFW/fineweb-edu --hf_config sample-10BT \
         --tokenizer hf:/models/Qwen3-0.6B --max_docs 2000000 --out data/fwe
 
-Format of the output directory (`DATASET_FORMAT`):
-- `train.bin`, `val.bin`: every document's tokens followed by end-of-text, concatenated,
-  as a flat little-endian uint16 (vocabulary <= 65536) or uint32 array, memory-mapped
-  when read;
-- `meta.json`: format version, tokenizer spec, vocabulary size, end-of-text id, token
-  dtype, per split the number of tokens, documents and UTF-8 bytes (for bits per byte), the
-  largest token id (`max_token_id`, checked against the model's vocabulary) and the tokenizer's
-  fingerprint (`tokenizer_sha256`, checked against a checkpoint's dataset on resume and in eval);
-- `tokenizer.json`: the Hugging Face tokenizer, when the tokenizer is not `bytes`.
+The source is read lazily in units (deltares.data.documents: plain files cut at blank lines into
+pieces of about 64 MB, a gzipped file whole, a Hugging Face dataset in ranges of records), so
+memory stays bounded however large the corpus. `--workers N` tokenizes N units at once in N
+processes. `--shard I --num_shards N` tokenizes only the units I, I + N, ... : every host of a pod
+runs it with its own I into the same output directory (a local path or a bucket), and the host that
+finishes the last unit writes `meta.json`. Each finished unit is recorded in a ledger, so a
+prepare that was killed resumes without redoing it. Whatever the workers or shards, the token
+stream is the same: the units' documents in source order.
 
-Documents: in text files, blocks separated by blank lines; the validation split is
-the last `--val_fraction` of each file's documents (a contiguous tail, so no held-out
-paragraph sits between training ones). In a Hugging Face dataset, each record is a
-document and every k-th one (k = 1 / val_fraction) is held out.
-The directory is written under a temporary name and renamed when complete.
+The output directory (format 2, see deltares.data.shards for the token files):
+- `train/<unit>.bin|.idx`, `val/<unit>.bin|.idx`: every document's tokens followed by end-of-text;
+- `meta.json`: format, source, tokenizer spec and fingerprint (`tokenizer_sha256`), vocabulary
+  size, end-of-text id, token dtype, the largest token id (`max_token_id`), and per split the
+  number of tokens, documents and UTF-8 bytes (for bits per byte) and its shards; written last,
+  so a directory without it is no dataset;
+- `unigram.npy`: int64 [2, vocab] token counts of the train and validation splits;
+- `tokenizer.json` (when the tokenizer is not `bytes`), `plan.json` (what was asked: source,
+  tokenizer, units) and `ledger/` (one record per finished unit).
+
+A document is held out for validation when a hash of its text says so (`--val_fraction` of them),
+whichever file or record it comes from. `--max_docs N` keeps the first N documents of the source,
+held-out ones included (a record of a Hugging Face dataset is a document). `bpe:N` trains its
+tokenizer on the first 20,000 training documents.
 """
 
 from __future__ import annotations
 
-import glob
-import gzip
-import itertools
 import json
+import multiprocessing
 import os
-import re
-import shutil
 import sys
-from collections.abc import Iterator
-from importlib import resources
+import time
 
 import numpy as np
 from absl import app, flags
+from etils import epath
 from tqdm import tqdm
 
-from deltares.data.tokenizer import bpe_vocab_size, dumps_meta, load_tokenizer, tokenizer_sha256, train_bpe
+from deltares.data import paths
+from deltares.data.documents import (
+    BUILTIN, HF_RECORDS_PER_UNIT, UNIT_BYTES, DataError, Piece, count_documents, hf_dataset, hf_pieces, plan_units,
+    text_pieces,
+)
+from deltares.data.shards import ShardWriter
+from deltares.data.tokenizer import bpe_vocab_size, dumps_meta, encode_texts, load_tokenizer, tokenizer_sha256, train_bpe
 
-DATASET_FORMAT = 1
-BUILTIN = "builtin"
+DATASET_FORMAT = 2
+READABLE_FORMATS = (1, 2)  # format 1: one train.bin / val.bin (datasets prepared before shards)
 SPLITS = ("train", "val")
 BPE_SAMPLE_DOCS = 20000
-_BLANK_LINES = re.compile(r"\n\s*\n")
+BPE_SAMPLE_BYTES = 256 << 20
+ENCODE_BATCH_BYTES = 512 << 10
 
 
-class DataError(ValueError):
-    """Input data that cannot be prepared or read; the message names the problem."""
+# ----------------------------------------------------------------------------- the plan
 
 
-def read_text(path: str) -> str:
-    """The text of a local file, gunzipped when its name ends in `.gz`, decoded as strict UTF-8
-    (a leading byte-order mark dropped): what prepare tokenizes and eval scores. Raises DataError
-    naming the file for bytes that are not UTF-8 (Latin-1, binary) or a broken gzip stream."""
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8-sig") as f:
-            return f.read()
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, "
-                        "e.g. iconv -f latin1 -t utf-8") from None
-    except (gzip.BadGzipFile, EOFError) as err:
-        raise DataError(f"{path} is not a readable gzip file: {err}") from None
+def make_plan(source: str, tokenizer_spec: str, val_fraction: float, *, hf_config=None, hf_split="train",
+              hf_field="text", max_docs=None, unit_bytes=UNIT_BYTES) -> dict:
+    """What is prepared, fixed before anything is tokenized: the source's units and the settings that
+    decide the token stream. A prepare into a directory holding another plan refuses (see `prepare`)."""
+    plan = dict(format=DATASET_FORMAT, source=source, tokenizer=tokenizer_spec, val_fraction=val_fraction,
+                max_docs=max_docs)
+    if source.startswith("hf:"):
+        plan.update(hf=dict(name=source[3:], config=hf_config, split=hf_split, field=hf_field,
+                            records_per_unit=HF_RECORDS_PER_UNIT))
+        ds = hf_dataset(source[3:], hf_config, hf_split)
+        total = len(ds) if hasattr(ds, "__len__") else None
+        total = min(total, max_docs) if total is not None and max_docs else (total if total is not None else max_docs)
+        plan["units"] = None if total is None else [
+            {"start": a, "stop": min(a + HF_RECORDS_PER_UNIT, total)} for a in range(0, total, HF_RECORDS_PER_UNIT)]
+        return plan
+    units = plan_units(source, unit_bytes)
+    if max_docs:
+        for unit, limit in zip(units, count_documents(units, max_docs)):
+            unit["limit"] = limit
+        units = [u for u in units if u["limit"]]
+    plan["units"] = units
+    return plan
 
 
-def split_documents(text: str) -> list[str]:
-    return [d.strip() for d in _BLANK_LINES.split(text) if d.strip()]
+def unit_pieces(plan: dict, index: int, dataset=None):
+    """The pieces of unit `index` of the plan (see deltares.data.documents)."""
+    if "hf" in plan:
+        hf = plan["hf"]
+        if plan["units"] is not None:
+            start, stop = plan["units"][index]["start"], plan["units"][index]["stop"]
+        else:
+            start = index * hf["records_per_unit"]
+            stop = start + hf["records_per_unit"]
+        ds = dataset if dataset is not None else hf_dataset(hf["name"], hf["config"], hf["split"])
+        return hf_pieces(ds, hf["field"], start, stop, plan["val_fraction"], hf["name"])
+    unit = plan["units"][index]
+    return text_pieces(unit, plan["val_fraction"], unit.get("limit"))
 
 
-def text_paths(source: str) -> list[str]:
-    """The files of a local text source: paths and globs, comma-separated."""
-    paths: list[str] = []
-    for pattern in source.split(","):
-        pattern = os.path.expanduser(pattern.strip())
-        found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-        for path in found:
-            if os.path.isdir(path):
-                raise DataError(f"{path} is a directory; pass files or a glob such as '{path}/*.txt'")
-            if not os.path.isfile(path):
-                raise DataError(f"no such file: {path}")
-            paths.append(path)
-    if not paths:
-        raise DataError(f"no files match {source!r}")
-    return paths
+def _bpe_sample(plan: dict):
+    """The first BPE_SAMPLE_DOCS training documents of the source (at most BPE_SAMPLE_BYTES), in order."""
+    docs, size, parts = 0, 0, []
+    index = 0
+    while plan["units"] is None or index < len(plan["units"]):
+        seen = False
+        for piece in unit_pieces(plan, index):
+            seen = True
+            if piece.split != "train":
+                continue
+            parts.append(piece.text)
+            size += len(piece.text)
+            if piece.last:
+                yield "".join(parts)
+                parts, docs = [], docs + 1
+                if docs >= BPE_SAMPLE_DOCS or size >= BPE_SAMPLE_BYTES:
+                    return
+        if not seen and plan["units"] is None:
+            return
+        index += 1
 
 
-def read_documents(source: str) -> list[str]:
-    """Every document of a local text source (see `text_paths`), file by file, as prepare splits them."""
-    return [doc for path in text_paths(source) for doc in split_documents(read_text(path))]
+# ----------------------------------------------------------------------------- one unit
 
 
-def document_bytes(doc: str) -> int:
-    """The bytes a document counts for bits per byte: its UTF-8 bytes plus one for the separator
-    that its end-of-text token stands for (so the end-of-text is scored against a byte)."""
-    return len(doc.encode("utf-8")) + 1
+def tokenize_unit(out_dir: str, plan: dict, index: int, tokenizer_json: str | None) -> dict:
+    """Tokenizes unit `index` into its shard files and records it in the ledger (last, so a unit
+    counts as done only when its files are whole). Runs in a worker process."""
+    tokenizer = load_tokenizer(plan["tokenizer"], tokenizer_json)
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+    start = time.perf_counter()
+    writers = {split: ShardWriter(out_dir, split, index, dtype, tokenizer.vocab_size) for split in SPLITS}
+    batch: list[Piece] = []
+    size = records = 0
+
+    def encode():
+        texts = [p.text for p in batch]
+        for piece, piece_ids in zip(batch, encode_texts(texts, tokenizer)):
+            n_bytes = len(piece.text.encode("utf-8")) + (1 if piece.last else 0)
+            writers[piece.split].add(piece_ids, piece.last, n_bytes, tokenizer.eos_id)
+
+    for piece in unit_pieces(plan, index):
+        batch.append(piece)
+        size += len(piece.text)
+        records += piece.last
+        if size >= ENCODE_BATCH_BYTES or len(batch) >= 1024:
+            encode()
+            batch, size = [], 0
+    encode()
+    splits = {split: w.close() for split, w in writers.items()}
+    ledger = epath.Path(out_dir) / "ledger"
+    ledger.mkdir(parents=True, exist_ok=True)
+    with (ledger / f"{index:05d}.unigram.npz").open("wb") as f:
+        np.savez(f, **{split: _sparse(writers[split].unigram) for split in SPLITS})
+    record = dict(unit=index, splits=splits, documents=records,
+                  max_token_id=max(w.max_id for w in writers.values()), seconds=time.perf_counter() - start)
+    _write_atomic(ledger / f"{index:05d}.json", json.dumps(record))
+    return record
 
 
-def encode_documents(docs: list[str], tokenizer) -> list[list[int]]:
-    """Each document's tokens followed by end-of-text."""
-    encoded = tokenizer.encode_batch(docs) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, docs)
-    return [list(ids) + [tokenizer.eos_id] for ids in encoded]
+def _sparse(counts: np.ndarray) -> np.ndarray:
+    ids = np.flatnonzero(counts)
+    return np.stack([ids, counts[ids]]).astype(np.int64)
 
 
-def file_documents(paths: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """(train, val) documents of text files: each file's last `val_fraction` is held out."""
-    train, val = [], []
-    for path in paths:
-        docs = split_documents(read_text(path))
-        n_val = int(round(len(docs) * val_fraction)) if len(docs) > 1 else 0
-        if val_fraction > 0 and len(docs) > 1:
-            n_val = max(1, n_val)
-        train.extend(docs[: len(docs) - n_val])
-        val.extend(docs[len(docs) - n_val :])
-    return train, val
+def _write_atomic(path: epath.Path, text: str) -> None:
+    """`text` into `path` whole: a local file through a rename, a bucket object in one write."""
+    if paths.is_remote(os.fspath(path)):
+        path.write_text(text)
+        return
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
-def builtin_path() -> str:
-    return str(resources.files("deltares.data") / "assets" / "mobydick.txt.gz")
+def _worker_init(threads: int) -> None:
+    """A worker process: its share of the cores for the tokenizer's own threads."""
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
 
 
-def hf_documents(name: str, config: str | None, split: str, field: str, max_docs: int | None) -> Iterator[str]:
-    """Records of a Hugging Face dataset, streamed (a hub name, or a local dataset directory)."""
-    import datasets  # optional dependency: only this source needs it
-
-    if os.path.isdir(name) and os.path.exists(os.path.join(name, "state.json")):
-        ds = datasets.load_from_disk(name)
-        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-    else:
-        ds = datasets.load_dataset(name, config, split=split, streaming=True)
-    for record in itertools.islice(ds, max_docs):
-        if field not in record:
-            raise DataError(f"dataset {name!r} has no text field {field!r}; fields: {sorted(record)}")
-        text = record[field]
-        if text and text.strip():
-            yield text
+def _run_unit(args):
+    return tokenize_unit(*args)
 
 
-class _TokenWriter:
-    """Appends documents' tokens (each followed by end-of-text) to a flat binary file."""
+# ----------------------------------------------------------------------------- the whole
 
-    def __init__(self, path: str, dtype):
-        self.file = open(path, "wb")
-        self.dtype = dtype
-        self.tokens = self.documents = self.bytes = 0
-        self.max_id = -1
 
-    def add(self, docs: list[str], tokenizer) -> None:
-        for doc, ids in zip(docs, encode_documents(docs, tokenizer)):
-            arr = np.asarray(ids, dtype=self.dtype)
-            self.max_id = max(self.max_id, int(arr.max()))
-            arr.tofile(self.file)
-            self.tokens += arr.size
-            self.documents += 1
-            self.bytes += document_bytes(doc)
+def _done(out: epath.Path) -> dict[int, dict]:
+    ledger = out / "ledger"
+    if not ledger.exists():
+        return {}
+    records = {}
+    for path in ledger.iterdir():
+        if path.name.endswith(".json") and path.name[:5].isdigit():
+            try:
+                records[int(path.name[:5])] = json.loads(path.read_text())
+            except ValueError:
+                continue  # cut short by a crash: redone
+    return records
 
-    def close(self) -> dict:
-        self.file.close()
-        return dict(tokens=self.tokens, documents=self.documents, bytes=self.bytes)
+
+def _n_units(plan: dict, done: dict) -> int | None:
+    """How many units the dataset has: the plan's, or for an open-ended stream the first empty unit's index."""
+    if plan["units"] is not None:
+        return len(plan["units"])
+    empty = [i for i, r in done.items() if r["documents"] == 0 and not any(r["splits"][s]["tokens"] for s in SPLITS)]
+    return min(empty) if empty else None
+
+
+def _start(out: epath.Path, plan: dict, overwrite: bool):
+    """Checks the output directory against the plan: (the existing meta.json if the dataset is already
+    complete, else None). Another dataset there is refused, or removed with `overwrite`."""
+    plan_path, meta_path = out / "plan.json", out / "meta.json"
+    if overwrite and out.exists():
+        out.rmtree()
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} is a file; --out names a directory")
+    if meta_path.exists() and not plan_path.exists():
+        raise DataError(f"{out} holds a dataset prepared by an earlier deltares; use a new --out, or --overwrite")
+    if plan_path.exists():
+        theirs = json.loads(plan_path.read_text())
+        if theirs != json.loads(json.dumps(plan)):
+            differ = sorted(k for k in set(theirs) | set(plan) if theirs.get(k) != json.loads(json.dumps(plan)).get(k))
+            raise DataError(f"{out} holds a dataset prepared from other input (differs in {', '.join(differ)}); "
+                            "use a new --out, or --overwrite to replace it")
+        if meta_path.exists():
+            return json.loads(meta_path.read_text())
+    elif out.exists() and any(out.iterdir()):
+        raise DataError(f"{out} is not empty and holds no dataset; use a new --out, or --overwrite to replace it")
+    return None
+
+
+def _write_plan(out: epath.Path, plan: dict, tokenizer) -> str | None:
+    """tokenizer.json, then plan.json (created once: the first host's, which the others then use).
+    Returns the tokenizer JSON every unit is encoded with."""
+    out.mkdir(parents=True, exist_ok=True)
+    text = tokenizer.to_json()
+    existing = out / "tokenizer.json"
+    if text is not None and existing.exists() and (out / "plan.json").exists():
+        return existing.read_text()  # another host's trained tokenizer
+    if text is not None:
+        _write_atomic(existing, text)
+    _write_atomic(out / "plan.json", json.dumps(plan, indent=2))
+    return text
+
+
+def _finalize(out: epath.Path, plan: dict, tokenizer, done: dict, n_units: int) -> dict:
+    """meta.json and unigram.npy of a dataset whose units are all done."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+    splits = {}
+    unigram = np.zeros((2, tokenizer.vocab_size), np.int64)
+    for s, split in enumerate(SPLITS):
+        shards = [[f"{split}/{i:05d}", done[i]["splits"][split]["tokens"]] for i in range(n_units)]
+        splits[split] = {k: sum(done[i]["splits"][split][k] for i in range(n_units))
+                         for k in ("tokens", "documents", "bytes")}
+        splits[split]["shards"] = [s_ for s_ in shards if s_[1]]
+    for i in range(n_units):
+        with (out / "ledger" / f"{i:05d}.unigram.npz").open("rb") as f:
+            parts = np.load(f)
+            for s, split in enumerate(SPLITS):
+                ids, counts = parts[split]
+                unigram[s, ids] += counts
+    if not splits["train"]["documents"] or not splits["val"]["documents"]:
+        raise DataError(
+            f"source {plan['source']!r} gave {splits['train']['documents']} training and "
+            f"{splits['val']['documents']} validation documents; need at least one of each (documents are "
+            "separated by blank lines; the validation split holds about val_fraction of them)"
+        )
+    with (out / "unigram.npy").open("wb") as f:
+        np.save(f, unigram)
+    meta = dict(
+        format=DATASET_FORMAT,
+        source=plan["source"],
+        tokenizer=tokenizer.spec,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        dtype=np.dtype(dtype).name,
+        splits=splits,
+        max_token_id=max(done[i]["max_token_id"] for i in range(n_units)),
+        tokenizer_sha256=tokenizer_sha256(tokenizer.spec, tokenizer.to_json()),
+        val_fraction=plan["val_fraction"],
+        units=n_units,
+    )
+    _write_atomic(out / "meta.json", dumps_meta(meta))
+    return meta
 
 
 def prepare(
@@ -173,88 +300,112 @@ def prepare(
     hf_field: str = "text",
     max_docs: int | None = None,
     progress: bool = True,
-) -> dict:
-    """Tokenizes `source` into `out_dir` (see module docstring); returns the metadata."""
+    workers: int = 1,
+    shard: int = 0,
+    num_shards: int = 1,
+    unit_bytes: int = UNIT_BYTES,
+    overwrite: bool = False,
+) -> dict | None:
+    """Tokenizes `source` into `out_dir` (see the module docstring); returns the metadata, or None when
+    other shards' units are still to do (another host writes meta.json)."""
     if not 0 < val_fraction < 0.5:
         raise DataError(f"val_fraction={val_fraction} must be in (0, 0.5)")
-    if source.startswith("hf:"):
-        every = max(2, int(round(1 / val_fraction)))
-
-        def labeled():
-            for i, doc in enumerate(hf_documents(source[3:], hf_config, hf_split, hf_field, max_docs)):
-                yield ("val" if i % every == every - 1 else "train"), doc
-
-        def bpe_sample():
-            return (d for split, d in itertools.islice(labeled(), BPE_SAMPLE_DOCS) if split == "train")
-
-        n_docs = max_docs
-    else:
-        paths = [builtin_path()] if source == BUILTIN else text_paths(source)
-        train_docs, val_docs = file_documents(paths, val_fraction)
-        train_docs = train_docs[:max_docs] if max_docs else train_docs
-        if not train_docs or not val_docs:
-            raise DataError(
-                f"source {source!r} gave {len(train_docs)} training and {len(val_docs)} validation documents; "
-                "need at least one of each (documents are separated by blank lines)"
-            )
-
-        def labeled():
-            return itertools.chain((("train", d) for d in train_docs), (("val", d) for d in val_docs))
-
-        def bpe_sample():
-            return iter(train_docs)
-
-        n_docs = len(train_docs) + len(val_docs)
+    if workers < 1 or num_shards < 1 or not 0 <= shard < num_shards:
+        raise DataError(f"need workers >= 1 and 0 <= shard < num_shards (got {workers}, {shard}, {num_shards})")
+    if max_docs is not None and max_docs < 1:
+        raise DataError(f"max_docs={max_docs} must be at least 1")
     if tokenizer_spec.startswith("bpe:"):
-        tokenizer = train_bpe(bpe_sample(), bpe_vocab_size(tokenizer_spec))
-    else:
-        tokenizer = load_tokenizer(tokenizer_spec)
-    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+        bpe_vocab_size(tokenizer_spec)
+    elif tokenizer_spec != "bytes":
+        load_tokenizer(tokenizer_spec)  # a bad spec fails before anything is read or written
+    out = epath.Path(paths.run_dir(out_dir))
+    plan = make_plan(source, tokenizer_spec, val_fraction, hf_config=hf_config, hf_split=hf_split,
+                     hf_field=hf_field, max_docs=max_docs, unit_bytes=unit_bytes)
+    if plan["units"] == []:
+        raise DataError(f"source {source!r} holds no documents")
+    finished = _start(out, plan, overwrite)
+    if finished is not None:
+        return finished
+    created = not out.exists()
+    try:
+        return _prepare(out, plan, tokenizer_spec, workers, shard, num_shards, progress)
+    except DataError:
+        if created:  # bad input, found while reading: the directory this call made goes again
+            out.rmtree(missing_ok=True)
+        raise
 
-    out_dir = os.path.abspath(out_dir)
-    tmp_dir = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
-    writers = {split: _TokenWriter(os.path.join(tmp_dir, f"{split}.bin"), dtype) for split in SPLITS}
-    pending: dict[str, list[str]] = {split: [] for split in SPLITS}
-    bar = tqdm(total=n_docs, desc="tokenizing", unit="doc", disable=not progress, file=sys.stderr)
-    for split, doc in labeled():
-        pending[split].append(doc)
-        if len(pending[split]) == 256:
-            writers[split].add(pending[split], tokenizer)
-            bar.update(len(pending[split]))
-            pending[split] = []
-    for split in SPLITS:
-        writers[split].add(pending[split], tokenizer)
-        bar.update(len(pending[split]))
-    bar.close()
-    max_id = max(w.max_id for w in writers.values())
-    splits = {split: w.close() for split, w in writers.items()}
-    if not splits["train"]["documents"] or not splits["val"]["documents"]:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise DataError(
-            f"source {source!r} gave {splits['train']['documents']} training and {splits['val']['documents']} "
-            "validation documents; need at least one of each"
-        )
-    if tokenizer.to_json() is not None:
-        with open(os.path.join(tmp_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-            f.write(tokenizer.to_json())
-    meta = dict(
-        format=DATASET_FORMAT,
-        source=source,
-        tokenizer=tokenizer.spec,
-        vocab_size=tokenizer.vocab_size,
-        eos_id=tokenizer.eos_id,
-        dtype=np.dtype(dtype).name,
-        splits=splits,
-        max_token_id=max_id,
-        tokenizer_sha256=tokenizer_sha256(tokenizer.spec, tokenizer.to_json()),
-    )
-    with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
-        f.write(dumps_meta(meta))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-    return meta
+
+def _prepare(out: epath.Path, plan: dict, tokenizer_spec: str, workers: int, shard: int, num_shards: int,
+             progress: bool) -> dict | None:
+    if (out / "tokenizer.json").exists() and (out / "plan.json").exists():
+        tokenizer_json = (out / "tokenizer.json").read_text()
+    elif tokenizer_spec.startswith("bpe:"):
+        tokenizer_json = train_bpe(_bpe_sample(plan), bpe_vocab_size(tokenizer_spec)).to_json()
+    else:
+        tokenizer_json = None
+    tokenizer = load_tokenizer(tokenizer_spec, tokenizer_json)
+    tokenizer_json = _write_plan(out, plan, tokenizer)
+    tokenizer = load_tokenizer(tokenizer_spec, tokenizer_json)
+    _tokenize(out, plan, tokenizer_json, workers, shard, num_shards, progress)
+    done = _done(out)
+    n_units = _n_units(plan, done)
+    if n_units is None or any(i not in done for i in range(n_units)):
+        return None
+    return _finalize(out, plan, tokenizer, done, n_units)
+
+
+def _tokenize(out: epath.Path, plan: dict, tokenizer_json, workers: int, shard: int, num_shards: int,
+              progress: bool) -> None:
+    """Tokenizes this shard's units that the ledger does not hold, `workers` at a time."""
+    done = _done(out)
+    known = plan["units"] is not None
+    total = len(plan["units"]) if known else None
+    mine = [i for i in range(total) if i % num_shards == shard and i not in done] if known else None
+    bar = tqdm(total=len(mine) if known else None, desc="tokenizing", unit="unit", disable=not progress,
+               file=sys.stderr)
+    tokens = 0
+
+    def report(record):
+        nonlocal tokens
+        tokens += sum(s["tokens"] for s in record["splits"].values())
+        bar.update(1)
+        bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+
+    try:
+        if workers == 1:
+            for index in (mine if known else _open_ended(shard, num_shards, done)):
+                record = tokenize_unit(os.fspath(out), plan, index, tokenizer_json)
+                report(record)
+                if not known and record["documents"] == 0:
+                    break
+            return
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        with multiprocessing.get_context("spawn").Pool(workers, _worker_init, (threads,)) as pool:
+            if known:
+                for record in pool.imap_unordered(_run_unit, [(os.fspath(out), plan, i, tokenizer_json) for i in mine]):
+                    report(record)
+                return
+            indices = _open_ended(shard, num_shards, done)
+            while True:  # an open-ended stream: `workers` units at a time until one is empty
+                wave = [next(indices) for _ in range(workers)]
+                records = pool.map(_run_unit, [(os.fspath(out), plan, i, tokenizer_json) for i in wave])
+                for record in records:
+                    report(record)
+                if any(r["documents"] == 0 for r in records):
+                    return
+    finally:
+        bar.close()
+
+
+def _open_ended(shard: int, num_shards: int, done: dict):
+    """This shard's unit indices of a stream of unknown length, skipping those the ledger holds."""
+    index = shard
+    while True:
+        if index not in done:
+            yield index
+        elif done[index]["documents"] == 0:
+            return
+        index += num_shards
 
 
 def main(argv):
@@ -271,24 +422,39 @@ def main(argv):
             hf_split=_HF_SPLIT.value,
             hf_field=_HF_FIELD.value,
             max_docs=_MAX_DOCS.value,
+            workers=_WORKERS.value,
+            shard=_SHARD.value,
+            num_shards=_NUM_SHARDS.value,
+            overwrite=_OVERWRITE.value,
         )
     except (DataError, FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
-    print(json.dumps(meta["splits"]), "->", os.path.abspath(_OUT.value))
+    if meta is None:
+        print(f"shard {_SHARD.value} of {_NUM_SHARDS.value} done; meta.json is written by the shard that finishes "
+              f"the last unit -> {paths.run_dir(_OUT.value)}")
+        return
+    print(json.dumps({s: {k: v for k, v in meta["splits"][s].items() if k != "shards"} for s in SPLITS}), "->",
+          paths.run_dir(_OUT.value))
 
 
 def cli() -> None:
     """The command line (`python -m deltares.data.prepare`, `deltares-prepare`); flags only here, so modules
     import side by side."""
-    global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _HF_FIELD, _MAX_DOCS
+    global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _HF_FIELD, _MAX_DOCS, _WORKERS, _SHARD
+    global _NUM_SHARDS, _OVERWRITE
     _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text files or globs (comma-separated), or hf:NAME.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
-    _OUT = flags.DEFINE_string("out", None, "Output directory.")
-    _VAL = flags.DEFINE_float("val_fraction", 0.02, "Fraction of documents held out for validation.")
+    _OUT = flags.DEFINE_string("out", None, "Output directory (a local path or a gs:// or s3:// URL).")
+    _VAL = flags.DEFINE_float("val_fraction", 0.02, "Fraction of documents held out for validation (by hash).")
     _HF_CONFIG = flags.DEFINE_string("hf_config", None, "Hugging Face dataset configuration name.")
     _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to stream.")
     _HF_FIELD = flags.DEFINE_string("hf_field", "text", "Record field holding the text.")
-    _MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Stop after this many documents.")
+    _MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Keep the first N documents of the source (held-out ones "
+                                     "included; a Hugging Face record is a document).")
+    _WORKERS = flags.DEFINE_integer("workers", 1, "Processes tokenizing units at once.")
+    _SHARD = flags.DEFINE_integer("shard", 0, "This host's share of the units: I of --num_shards.")
+    _NUM_SHARDS = flags.DEFINE_integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).")
+    _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a dataset of other input in --out.")
     from deltares import entry
 
     entry.run(main)

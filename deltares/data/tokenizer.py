@@ -60,13 +60,25 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
     def to_json(self) -> str:
         return self.tok.to_str()
+
+
+def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of each text, batched where the tokenizer can."""
+    if hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch(texts)
+    return [tokenizer.encode(text) for text in texts]
+
+
+def encode_documents(docs: list[str], tokenizer) -> list[list[int]]:
+    """Each document's tokens followed by end-of-text."""
+    return [list(ids) + [tokenizer.eos_id] for ids in encode_texts(docs, tokenizer)]
 
 
 def _hf_file(path: str) -> str:
@@ -120,13 +132,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     return HFTokenizer(tok, f"bpe:{vocab_size}")
 
 
-def tokenizer_from_meta(meta: dict, data_dir: str):
-    """The tokenizer a prepared dataset was made with."""
-    path = os.path.join(data_dir, "tokenizer.json")
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else None
-    if text is not None:
-        return HFTokenizer(tokenizers.Tokenizer.from_str(text), meta["tokenizer"])
-    return load_tokenizer(meta["tokenizer"])
+def tokenizer_from_json(spec: str, tokenizer_json: str | None):
+    """The tokenizer a prepared dataset was made with: its stored tokenizer.json, else its spec."""
+    if tokenizer_json is not None:
+        return HFTokenizer(tokenizers.Tokenizer.from_str(tokenizer_json), spec)
+    return load_tokenizer(spec)
 
 
 def tokenizer_sha256(spec: str, tokenizer_json: str | None) -> str:

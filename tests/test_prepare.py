@@ -1,0 +1,223 @@
+"""Preparation at scale (`deltares.data.prepare`, `deltares.data.documents`, `deltares.data.shards`):
+long documents encoded in pieces with the ids of the whole, a token stream independent of workers
+and host shards, a ledger that lets a killed prepare resume, bounded samples, stored unigram
+counts, datasets of the earlier format, datasets on a bucket, and bad input.
+
+Expectations are independent of the code under test: whole-document encodings, a by-hand
+concatenation of documents, NumPy bincounts.
+"""
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from deltares.data import documents, prepare as prepare_module
+from deltares.data.dataset import TokenData
+from deltares.data.documents import DataError, builtin_path
+from deltares.data.prepare import prepare
+from deltares.data.tokenizer import load_tokenizer
+
+from test_data import WORDS, by_hash, make_docs, write_corpus
+
+
+def moby_text(n_bytes):
+    with gzip.open(builtin_path(), "rt", encoding="utf-8") as f:
+        return f.read(n_bytes)
+
+
+def stream(out, split):
+    return np.asarray(TokenData(str(out)).tokens(split))
+
+
+def test_long_document_pieces_encode_to_the_ids_of_the_whole(monkeypatch):
+    """A document without blank lines (a book's lines joined) is read in pieces cut after a newline
+    that a non-space character follows; with the GPT-2 tokenizer the pieces' ids are the whole's."""
+    monkeypatch.setattr(documents, "PIECE_BYTES", 4096)
+    text = moby_text(200_000)
+    book = "\n".join(line for line in text.splitlines() if line.strip())  # one document
+    unit = {"path": "book.txt", "start": 0, "end": None}
+    monkeypatch.setattr(documents, "_unit_lines", lambda u: iter(book.splitlines(keepends=True)))
+    pieces = list(documents.text_pieces(unit, 0.1))
+    assert len(pieces) > 20 and [p.last for p in pieces].count(True) == 1 and pieces[-1].last
+    assert "".join(p.text for p in pieces) == book.strip()
+    assert all(p.split == pieces[0].split for p in pieces)
+    assert max(len(p.text) for p in pieces[:-1]) < 4 * 4096 and np.median([len(p.text) for p in pieces]) < 2 * 4096
+    gpt2 = load_tokenizer("gpt2")
+    whole = gpt2.encode(book.strip())
+    assert [t for p in pieces for t in gpt2.encode(p.text)] == whole
+
+
+def test_documents_stream_like_the_whole_text(tmp_path):
+    """Reading a file in units cut at blank lines gives the documents of splitting the whole text."""
+    text = moby_text(400_000)
+    path = tmp_path / "moby.txt"
+    path.write_text(text)
+    units = documents.plan_units(str(path), unit_bytes=50_000)
+    assert len(units) >= 6 and units[0]["start"] == 0 and units[-1]["end"] is None
+    assert all(a["end"] == b["start"] for a, b in zip(units, units[1:]))
+    docs, parts = [], []
+    for unit in units:
+        for piece in documents.text_pieces(unit, 0.1):
+            parts.append(piece.text)
+            if piece.last:
+                docs.append("".join(parts))
+                parts = []
+    import re
+
+    assert docs == [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
+
+
+def corpus(tmp_path, n_files=3, docs_per_file=60):
+    files = []
+    for i in range(n_files):
+        files.append(tmp_path / f"c{i}.txt")
+        write_corpus(files[-1], make_docs(docs_per_file, 10 + i, f"f{i}"))
+    return ",".join(map(str, files)), [d for i in range(n_files) for d in make_docs(docs_per_file, 10 + i, f"f{i}")]
+
+
+def test_workers_and_shards_give_one_token_stream(tmp_path):
+    source, docs = corpus(tmp_path)
+    kw = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
+    one = prepare(source, "bytes", str(tmp_path / "one"), **kw)
+    assert one["units"] >= 9
+    two = prepare(source, "bytes", str(tmp_path / "two"), workers=2, **kw)
+    assert prepare(source, "bytes", str(tmp_path / "hosts"), shard=1, num_shards=2, **kw) is None  # host 1 first
+    assert not (tmp_path / "hosts" / "meta.json").exists()
+    hosts = prepare(source, "bytes", str(tmp_path / "hosts"), shard=0, num_shards=2, **kw)
+    want_train, want_val = by_hash(docs, 0.2)
+    want = {"train": b"".join(d.encode() + b"\xff" for d in want_train),
+            "val": b"".join(d.encode() + b"\xff" for d in want_val)}
+    for out, meta in (("one", one), ("two", two), ("hosts", hosts)):
+        assert meta == one
+        for split in ("train", "val"):
+            got = stream(tmp_path / out, split)
+            assert bytes(np.where(got == 256, 255, got).astype(np.uint8)) == want[split], (out, split)
+
+
+def test_killed_prepare_resumes_from_its_ledger(tmp_path, monkeypatch):
+    source, _ = corpus(tmp_path)
+    kw = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
+    clean = prepare(source, "bytes", str(tmp_path / "clean"), **kw)
+    real, calls = prepare_module.tokenize_unit, []
+
+    def dies_after_three(out, plan, index, tokenizer_json):
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the user's Ctrl-C in the fourth unit
+        calls.append(index)
+        return real(out, plan, index, tokenizer_json)
+
+    monkeypatch.setattr(prepare_module, "tokenize_unit", dies_after_three)
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        prepare(source, "bytes", str(out), **kw)
+    assert sorted(os.listdir(out / "ledger")) == [f"{i:05d}{ext}" for i in range(3) for ext in (".json", ".unigram.npz")]
+    with pytest.raises(DataError, match="no meta.json"):
+        TokenData(str(out))  # nothing a trainer would accept
+    calls.clear()
+    monkeypatch.setattr(prepare_module, "tokenize_unit", lambda *a: calls.append(a[2]) or real(*a))
+    resumed = prepare(source, "bytes", str(out), **kw)
+    assert calls == list(range(3, clean["units"]))  # the finished units were not redone
+    assert resumed == clean
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(stream(out, split), stream(tmp_path / "clean", split))
+
+
+def test_max_docs_counts_the_documents_of_the_source(tmp_path):
+    source, docs = corpus(tmp_path)
+    meta = prepare(source, "bytes", str(tmp_path / "ds"), val_fraction=0.2, max_docs=70, progress=False,
+                   unit_bytes=3000)
+    want_train, want_val = by_hash(docs[:70], 0.2)
+    assert meta["splits"]["train"]["documents"] == len(want_train)
+    assert meta["splits"]["val"]["documents"] == len(want_val)  # held-out documents count towards max_docs
+
+
+def test_hf_max_docs_counts_records(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    records = [f"record {i}: " + " ".join(WORDS[i % 7 : i % 7 + 6]) for i in range(60)]
+    datasets.Dataset.from_dict({"text": records}).save_to_disk(str(tmp_path / "hf"))
+    meta = prepare(f"hf:{tmp_path / 'hf'}", "bytes", str(tmp_path / "ds"), val_fraction=0.2, max_docs=40,
+                   progress=False)
+    want_train, want_val = by_hash(records[:40], 0.2)
+    assert (meta["splits"]["train"]["documents"], meta["splits"]["val"]["documents"]) == (len(want_train), len(want_val))
+
+
+def test_bpe_trains_on_a_capped_sample(tmp_path, monkeypatch):
+    source, docs = corpus(tmp_path)
+    seen = []
+    real = prepare_module.train_bpe
+
+    def recording(texts, vocab_size):
+        texts = list(texts)
+        seen.extend(texts)
+        return real(texts, vocab_size)
+
+    monkeypatch.setattr(prepare_module, "train_bpe", recording)
+    monkeypatch.setattr(prepare_module, "BPE_SAMPLE_DOCS", 25)
+    prepare(source, "bpe:300", str(tmp_path / "ds"), val_fraction=0.2, progress=False, unit_bytes=3000)
+    assert seen == by_hash(docs, 0.2)[0][:25]  # the first training documents, no more
+
+
+def test_unigram_counts_are_stored(tmp_path):
+    source, _ = corpus(tmp_path)
+    prepare(source, "bytes", str(tmp_path / "ds"), val_fraction=0.2, progress=False, unit_bytes=3000)
+    counts = TokenData(str(tmp_path / "ds")).unigram()
+    for s, split in enumerate(("train", "val")):
+        np.testing.assert_array_equal(counts[s], np.bincount(stream(tmp_path / "ds", split), minlength=257))
+
+
+def test_dataset_of_the_earlier_format_still_loads(tmp_path):
+    """Format 1 (one flat train.bin / val.bin): read as one shard each; unigram counts computed in chunks."""
+    out = tmp_path / "old"
+    out.mkdir()
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, n in (("train", 5000), ("val", 900)):
+        tokens = rng.integers(0, 257, n).astype(np.uint16)
+        tokens.tofile(out / f"{split}.bin")
+        splits[split] = {"tokens": n, "documents": 3, "bytes": n}
+    (out / "meta.json").write_text(json.dumps(dict(format=1, source="x", tokenizer="bytes", vocab_size=257,
+                                                   eos_id=256, dtype="uint16", splits=splits)))
+    data = TokenData(str(out))
+    np.testing.assert_array_equal(np.asarray(data.tokens("train")), np.fromfile(out / "train.bin", np.uint16))
+    np.testing.assert_array_equal(data.unigram()[1], np.bincount(np.fromfile(out / "val.bin", np.uint16),
+                                                                 minlength=257))
+
+
+def test_prepare_into_and_read_from_a_bucket(fake_bucket, tmp_path):
+    source, docs = corpus(tmp_path, n_files=2)
+    local = prepare(source, "bytes", str(tmp_path / "local"), val_fraction=0.2, progress=False, unit_bytes=3000)
+    remote = prepare(source, "bytes", "gs://data/ds", val_fraction=0.2, progress=False, unit_bytes=3000)
+    assert remote == local
+    assert os.path.exists(os.path.join(fake_bucket.root, "data", "ds", "meta.json"))
+    data = TokenData("gs://data/ds")
+    tokens = data.tokens("train")
+    np.testing.assert_array_equal(np.asarray(tokens), stream(tmp_path / "local", "train"))
+    starts = [0, 1000, len(tokens) - 40]
+    np.testing.assert_array_equal(tokens.windows(starts, 33),
+                                  np.stack([np.asarray(tokens)[s : s + 33] for s in starts]).astype(np.int32))
+
+
+@pytest.mark.parametrize("damage", ["binary", "latin1", "empty", "missing_shard", "empty_shard"])
+def test_bad_input_is_a_data_error_naming_the_file(tmp_path, damage):
+    if damage in ("binary", "latin1", "empty"):
+        path = tmp_path / "bad.txt"
+        path.write_bytes({"binary": b"\x00\xff\xfe\x00\x80" * 100, "latin1": "caf\xe9\n\nna\xefve".encode("latin1"),
+                          "empty": b""}[damage])
+        with pytest.raises(DataError, match="bad.txt" if damage != "empty" else "no documents|bad.txt"):
+            prepare(str(path), "bytes", str(tmp_path / "ds"), val_fraction=0.2, progress=False)
+        assert not (tmp_path / "ds" / "meta.json").exists()
+        return
+    source, _ = corpus(tmp_path)
+    prepare(source, "bytes", str(tmp_path / "ds"), val_fraction=0.2, progress=False, unit_bytes=3000)
+    shard = tmp_path / "ds" / "train" / "00001.bin"
+    shard.unlink() if damage == "missing_shard" else shard.write_bytes(b"")
+    with pytest.raises(DataError, match=r"train/00001.bin is missing or empty"):
+        TokenData(str(tmp_path / "ds")).tokens("train")
+
+
+def test_bucket_that_does_not_exist(fake_bucket):
+    with pytest.raises(DataError, match="no meta.json"):
+        TokenData("gs://nowhere/ds")

@@ -118,7 +118,7 @@ def test_analyze_json_figures_and_model_stats(runs, dataset, tmp_path):
     batches = eval_batches(TokenData(dataset).tokens("val"), 32, BATCH, 2)
     for mode in ("delta_block", "full_attnres"):
         r = by_mode[mode]
-        assert r["step"] == STEPS and r["tokens"] == 2 * BATCH * 32 and r["data"].endswith("val.bin")
+        assert r["step"] == STEPS and r["tokens"] == 2 * BATCH * 32 and r["data"].endswith(os.path.join("dataset", "val"))
         # 3 layers: 6 sublayers, plus the output router of the Kimi mode
         assert [s["name"] for s in r["sublayers"]] == [f"L{j // 2}.{('attn', 'mlp')[j % 2]}" for j in range(6)] + (
             ["final"] if mode == "full_attnres" else [])
@@ -301,12 +301,12 @@ def test_report_paths_relative_below_the_working_directory(runs, tmp_path, tmp_p
     saved = json.loads((tmp_path / "analysis" / "routing.json").read_text())
     (run,) = saved["runs"]
     assert run["workdir"] == os.path.relpath(runs["delta_block"], base)
-    assert run["data"].endswith("val.bin") and not os.path.isabs(run["data"]) and os.path.isfile(run["data"])
+    assert run["data"].endswith("val") and not os.path.isabs(run["data"]) and os.path.isdir(run["data"])
     assert saved["out"] == os.path.relpath(tmp_path / "analysis", base)
     assert all(not os.path.isabs(p) and os.path.isfile(p) for p in saved["figures"].values()), saved["figures"]
 
     monkeypatch.chdir(tmp_path)
     assert _local(str(tmp_path / "runs" / "a")) == os.path.join("runs", "a")
     assert _local("runs/a") == os.path.join("runs", "a")
-    elsewhere = os.path.join(os.path.dirname(str(tmp_path)), "other", "val.bin")
+    elsewhere = os.path.join(os.path.dirname(str(tmp_path)), "other", "val")
     assert _local(elsewhere) == elsewhere

@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
         return add_delta(plan, state, j, v_BTD, self.config.norm_eps)
 
     @nn.compact
-    def __call__(self, state: DepthState, layer, cos_TE, sin_TE, cache=None, pos=None, only=None, prefix=None):
+    def __call__(self, state: DepthState, layer, rope, cache=None, pos=None, only=None, prefix=None):
         """Returns (state, stats); with an attention `cache` (decoding, see Attention),
         (state, (stats, new cache)). With `only` (0: attention, 1: MLP), runs that sublayer
         alone on `state`, which holds the final source buffer, and returns its delta and the delta's
@@ -91,8 +91,8 @@ class DecoderLayer(nn.Module):
 
         def attend(x_BTD):
             if cache is None:
-                return attn(x_BTD, cos_TE, sin_TE)
-            out_BTD, updated = attn(x_BTD, cos_TE, sin_TE, cache, pos)
+                return attn(x_BTD, rope)
+            out_BTD, updated = attn(x_BTD, rope, cache, pos)
             new_cache.append(updated)
             return out_BTD
 

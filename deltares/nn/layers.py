@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -39,19 +39,44 @@ class RMSNorm(nn.Module):
         return (y * scale.astype(jnp.float32)).astype(self.dtype)
 
 
-def rope_tables(positions_T, head_dim: int, theta: float):
-    """cos and sin [T, head_dim] of Qwen3's rotary embedding (rotate-half layout)."""
+class Rope(NamedTuple):
+    """Where each token sits: the rotary tables, and with document masks its document.
+
+    `cos`, `sin` are [T, head_dim] (one position per column, shared by the rows) or [B, T, head_dim]
+    (positions restarting at every document: `config.data.document_mask`); `segments` [B, T] (or None)
+    numbers the documents of each row, and attention then stays inside a document."""
+
+    cos: jax.Array
+    sin: jax.Array
+    segments: jax.Array | None = None
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos and sin [..., head_dim] of Qwen3's rotary embedding (rotate-half layout) at `positions` [...]."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs_TE = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([freqs_TE, freqs_TE], axis=-1)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x_BTHE, cos_TE, sin_TE):
+def document_rope(segments_BT, head_dim: int, theta: float) -> Rope:
+    """The `Rope` of rows holding several documents (`segments_BT` numbers them, nondecreasing along
+    each row): positions restart at 0 at every document."""
+    T = segments_BT.shape[1]
+    index_BT = jnp.broadcast_to(jnp.arange(T), segments_BT.shape)
+    starts_BT = jax.lax.cummax(jnp.where(jnp.diff(segments_BT, axis=1, prepend=segments_BT[:, :1] - 1) != 0,
+                                         index_BT, 0), axis=1)
+    cos, sin = rope_tables(index_BT - starts_BT, head_dim, theta)
+    return Rope(cos, sin, segments_BT)
+
+
+def apply_rope(x_BTHE, cos, sin):
+    """`x` rotated by the tables of `rope_tables`: [T, E] shared by the rows, or [B, T, E] per row."""
     x32 = x_BTHE.astype(jnp.float32)
     half = x32.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos_TE[None, :, None, :] + rotated * sin_TE[None, :, None, :]
+    cos, sin = (t[None, :, None, :] if t.ndim == 2 else t[:, :, None, :] for t in (cos, sin))
+    out = x32 * cos + rotated * sin
     return out.astype(x_BTHE.dtype)
 
 
@@ -85,10 +110,11 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, cos_TE, sin_TE, cache=None, pos=None):
+    def __call__(self, x_BTD, rope: Rope, cache=None, pos=None):
         """With `cache` = (k_BCKE, v_BCKE) of earlier positions, the T tokens of `x_BTD` sit at
         positions pos..pos+T-1: their keys and values are written into the cache and they attend
-        to everything up to themselves. Returns the output, and the new cache when given one."""
+        to everything up to themselves. With `rope.segments` a token attends only to the earlier
+        tokens of its own document. Returns the output, and the new cache when given one."""
         D = x_BTD.shape[-1]
         common = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
@@ -99,10 +125,15 @@ class Attention(nn.Module):
         k_BTKE = proj("k_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
         v_BTKE = proj("v_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
         norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
-        q_BTHE = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTHE), cos_TE, sin_TE)
-        k_BTKE = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKE), cos_TE, sin_TE)
+        q_BTHE = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTHE), rope.cos, rope.sin)
+        k_BTKE = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKE), rope.cos, rope.sin)
         q_BTHE = nn.with_logical_constraint(q_BTHE, ("batch", "length", "heads", "head_dim"))
-        if cache is None:
+        if cache is None and rope.segments is not None:
+            T = x_BTD.shape[1]
+            same_BTT = rope.segments[:, :, None] == rope.segments[:, None, :]
+            mask_B1TT = (same_BTT & jnp.tril(jnp.ones((T, T), bool)))[:, None]
+            out_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask_B1TT)
+        elif cache is None:
             out_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True)
         else:
             k_BCKE, v_BCKE = (jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, pos, 0, 0))

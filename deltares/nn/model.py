@@ -17,7 +17,9 @@ import ml_collections
 from deltares.nn.config import REMAT_POLICIES, dtype_of, validate_model_config
 from deltares.nn.decoder import DecoderLayer
 from deltares.nn.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
-from deltares.nn.layers import DepthRouter, Projection, RMSNorm, _param_init, dense_init, rope_tables
+from deltares.nn.layers import (
+    DepthRouter, Projection, Rope, RMSNorm, _param_init, dense_init, document_rope, rope_tables,
+)
 from deltares.nn.losses import head_token_nll
 from deltares.nn.residual import plan_for, two_phase
 
@@ -52,7 +54,7 @@ class Transformer(nn.Module):
                              static_argnums=static)
         return layer
 
-    def _layers(self, layer_cls, state, cos_TE, sin_TE, return_stats, cache=None, pos=None):
+    def _layers(self, layer_cls, state, rope, return_stats, cache=None, pos=None):
         """The L layers, scanned or unrolled, threading each layer's attention cache when decoding.
         Returns (state, stacked stats or None, new cache or None)."""
         cfg = self.config
@@ -61,19 +63,19 @@ class Transformer(nn.Module):
                 layer_cls,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, 0, nn.broadcast),
+                in_axes=(0, nn.broadcast, 0, nn.broadcast),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
                 unroll=cfg.n_layers if cfg.scan_unroll else 1,
             )
             layers = jnp.arange(cfg.n_layers)
-            state, out = scanned(cfg, return_stats, name="layers")(state, layers, cos_TE, sin_TE, cache, pos)
+            state, out = scanned(cfg, return_stats, name="layers")(state, layers, rope, cache, pos)
         else:
             per_layer = []
             for layer in range(cfg.n_layers):
                 layer_cache = None if cache is None else jax.tree.map(lambda c: c[layer], cache)
                 state, out_l = layer_cls(cfg, return_stats, name=f"layers_{layer}")(
-                    state, layer, cos_TE, sin_TE, layer_cache, pos
+                    state, layer, rope, layer_cache, pos
                 )
                 per_layer.append(out_l)
             out = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
@@ -81,7 +83,8 @@ class Transformer(nn.Module):
         return state, stats, cache
 
     @nn.compact
-    def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None, targets_BT=None):
+    def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None, targets_BT=None,
+                 segments_BT=None):
         """Logits [B, T, V] (float32), and routing stats with `return_stats`.
 
         `targets_BT` (the loss path): per-token NLL [B, T] (float32) of those targets in place
@@ -92,7 +95,9 @@ class Transformer(nn.Module):
         after the cached ones, and the call returns (logits, new cache). Routing is per
         token, so only attention needs a cache; every residual mode decodes the same way.
         `logits_at` [B] (prefilling right-padded prompts): logits [B, 1, V] of one position
-        per row only, so the head never runs over the whole prompt."""
+        per row only, so the head never runs over the whole prompt.
+        `segments_BT` (document masks, `config.data.document_mask`): each row's documents numbered in
+        order; a token attends only to its own document, whose positions start at 0."""
         cfg = self.config
         if cache is not None and return_stats:
             raise ValueError("return_stats is not available while decoding with a cache")
@@ -109,15 +114,18 @@ class Transformer(nn.Module):
             name="embed",
         )
         e_BTD = nn.with_logical_constraint(embed(tokens_BT), STREAM_AXES)
-        cos_TE, sin_TE = rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta)
+        if segments_BT is None:
+            rope = Rope(*rope_tables(pos + jnp.arange(tokens_BT.shape[1]), cfg.head_dim, cfg.rope_theta))
+        else:
+            rope = document_rope(segments_BT, cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps, listed=not cfg.scan_layers)
         if cache is not None:  # decoding: nothing is differentiated, no remat
-            state, _, cache = self._layers(DecoderLayer, state, cos_TE, sin_TE, False, cache, pos)
+            state, _, cache = self._layers(DecoderLayer, state, rope, False, cache, pos)
         elif cfg.scan_layers and self._store_once(plan):
             layer = DecoderLayer(cfg, return_stats, parent=None)
 
             def layer_fn(params_l, state, index, only=None, prefix=None):
-                return layer.apply({"params": params_l}, state, index, cos_TE, sin_TE, only=only, prefix=prefix)
+                return layer.apply({"params": params_l}, state, index, rope, only=only, prefix=prefix)
 
             params_L = nn.meta.unbox(self.variables["params"]["layers"])
             grouped = two_phase(cfg) and not return_stats  # statistics need every weight: one pass per sublayer
@@ -125,7 +133,7 @@ class Transformer(nn.Module):
                                       queries_fn=layer_queries if grouped else None, impl=cfg.residual.impl,
                                       interpret=cfg.residual.interpret)
         else:
-            state, stats, _ = self._layers(self._layer_class(), state, cos_TE, sin_TE, return_stats)
+            state, stats, _ = self._layers(self._layer_class(), state, rope, return_stats)
 
         if plan.replaces_stream:
             res = cfg.residual

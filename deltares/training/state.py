@@ -30,13 +30,17 @@ class ShardedTraining(NamedTuple):
     stats_step: MeshStep  # (params, batch) -> routing statistics
 
 
-def sharded_train_step(cfg, mesh) -> ShardedTraining:
+def sharded_train_step(cfg, mesh, eos_id: int | None = None) -> ShardedTraining:
     """The train step of `cfg` jitted for `mesh` with in/out shardings and a donated state,
-    and what goes with it. Warns when fsdp > 1 and under 98% of parameter bytes are split."""
+    and what goes with it. Warns when fsdp > 1 and under 98% of parameter bytes are split.
+    `eos_id`: the dataset's end-of-text, for document masks (`config.data.document_mask`; a
+    program compiled ahead of time without data masks at id 0, the same cost)."""
     model, tx, schedules = build(cfg)  # the model and its steps (steps), then their shardings (sharding)
     boxed = abstract_params(model, cfg.data.seq_len)
     init_fn = make_init(model, tx, cfg.data.seq_len)
-    train_fn, eval_fn, stats_fn = make_train_step(model, tx, cfg.train.micro_batches), make_eval_step(model), make_stats_step(model)
+    eos = (eos_id or 0) if cfg.data.document_mask else None
+    train_fn = make_train_step(model, tx, cfg.train.micro_batches, eos)
+    eval_fn, stats_fn = make_eval_step(model, eos), make_stats_step(model, eos)
     abstract_state = jax.eval_shape(init_fn, 0)
     shardings = state_shardings(boxed, abstract_state, mesh)
     batch_sharding = logical_sharding(mesh, ("batch", None))

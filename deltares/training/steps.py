@@ -34,19 +34,30 @@ def make_init(model: Transformer, tx: optax.GradientTransformation, seq_len: int
     return init
 
 
-def batch_nll(model: Transformer, params, tokens_BT):
+def document_segments(tokens_BT, eos_id: int):
+    """The documents of each row numbered in order: an end-of-text starts the next document (every
+    document follows one in the token stream), so that the first token of a document is predicted
+    from its end-of-text alone, as if the document stood at the start of a window."""
+    return jnp.cumsum(tokens_BT == eos_id, axis=1, dtype=jnp.int32)
+
+
+def batch_nll(model: Transformer, params, tokens_BT, eos_id: int | None = None):
     """Per-token NLL [B, T] of a batch's targets, through the model's loss path (the logits
-    chunked over the sequence by `config.model.loss_chunk`, never all [B, T, V] at once)."""
-    return model.apply({"params": params}, tokens_BT[:, :-1], targets_BT=tokens_BT[:, 1:])
+    chunked over the sequence by `config.model.loss_chunk`, never all [B, T, V] at once).
+    With `eos_id` (document masks) each token sees only its own document."""
+    inputs_BT = tokens_BT[:, :-1]
+    segments_BT = None if eos_id is None else document_segments(inputs_BT, eos_id)
+    return model.apply({"params": params}, inputs_BT, targets_BT=tokens_BT[:, 1:], segments_BT=segments_BT)
 
 
-def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_batches: int = 1):
+def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_batches: int = 1,
+                    eos_id: int | None = None):
     """(state, batch) -> (state, {loss, grad_norm, max_token}); with `micro_batches` > 1 the batch is
     split and gradients are averaged over micro-batches (gradient accumulation). `max_token`, the
     largest id in the batch (over all processes), lets the trainer refuse data the vocabulary lacks."""
 
     def loss_fn(params, tokens_BT):
-        return masked_mean(batch_nll(model, params, tokens_BT))
+        return masked_mean(batch_nll(model, params, tokens_BT, eos_id))
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -73,21 +84,23 @@ def make_train_step(model: Transformer, tx: optax.GradientTransformation, micro_
     return train_step
 
 
-def make_eval_step(model: Transformer):
-    """(params, batch) -> (sum of token NLL, number of tokens)."""
+def make_eval_step(model: Transformer, eos_id: int | None = None):
+    """(params, batch) -> (sum of token NLL, number of tokens); `eos_id`: with document masks."""
 
     def eval_step(params, tokens_BT):
-        nll_BT = batch_nll(model, params, tokens_BT)
+        nll_BT = batch_nll(model, params, tokens_BT, eos_id)
         return nll_BT.sum(), nll_BT.size
 
     return eval_step
 
 
-def make_stats_step(model: Transformer):
+def make_stats_step(model: Transformer, eos_id: int | None = None):
     """(params, batch) -> routing statistics of the batch (see Transformer)."""
 
     def stats_step(params, tokens_BT):
-        return model.apply({"params": params}, tokens_BT[:, :-1], return_stats=True)[1]
+        inputs_BT = tokens_BT[:, :-1]
+        segments_BT = None if eos_id is None else document_segments(inputs_BT, eos_id)
+        return model.apply({"params": params}, inputs_BT, return_stats=True, segments_BT=segments_BT)[1]
 
     return stats_step
 

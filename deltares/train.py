@@ -33,7 +33,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from deltares.data import paths
-from deltares.data.prepare import DataError
+from deltares.data.documents import BUILTIN, DataError
 from deltares.data.runs import RunData, open_run_data, unigram_perplexity
 from deltares.interop import hf
 from deltares.training.configs import validate_config
@@ -48,7 +48,7 @@ from deltares.training.workdir import WorkdirError, WorkdirLock, check_workdir
 
 
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.
-RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "train.global_batch")
+RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "data.mixture", "train.global_batch")
 
 
 def initialize_distributed() -> None:
@@ -94,7 +94,11 @@ def config_json(cfg) -> dict:
 
 def check_train_config(cfg) -> None:
     t = cfg.train
-    if not cfg.data.dataset:  # unset in the paper-scale experiments: the command line names it
+    if cfg.data.mixture and cfg.data.dataset not in (None, "", BUILTIN):
+        raise TrainError("set config.data.dataset or config.data.mixture, not both")
+    if cfg.data.mixture and cfg.data.dataset is None:  # unset in the paper-scale experiments: the mixture names the data
+        cfg.data.dataset = ""
+    if not cfg.data.dataset and not cfg.data.mixture:  # unset in the paper-scale experiments: the command line names it
         raise TrainError(
             "config.data.dataset is not set: prepare a corpus with `python -m deltares.data.prepare --out DIR` "
             "and pass --config.data.dataset=DIR (or 'builtin' for the shipped Moby-Dick)"
@@ -248,7 +252,7 @@ def train(cfg, workdir: str) -> dict:
     try:
         with _locked(workdir) as lock:
             run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say)
-            training = sharded_train_step(cfg, mesh)
+            training = sharded_train_step(cfg, mesh, run.data.eos_id)
             t = cfg.train
             ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
             try:
@@ -413,6 +417,9 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
     peak_memory = PeakMemory(train_step)  # device high-water mark, else the compiled step's footprint
     outputs = _Outputs(cfg.model.vocab_size, run.data.path)
     single = jax.process_count() == 1
+    if (epochs := run.epoch(t.steps * t.global_batch)) > 1:
+        say(f"warning: {t.steps} steps of {t.global_batch} windows are {epochs:.2f} epochs of {run.data.path}: "
+            "the run repeats its data")
 
     def stop_for_storage(problem: str):
         writer.truncate_after(ckpt.durable)  # no record of a step that no checkpoint holds
@@ -466,6 +473,7 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
                     "step_time_s": step_time,
                     "mfu": mfu(flops_per_step, step_time, peak),
                     "tokens_seen": step * tokens_per_step,
+                    "epoch": run.epoch(step * t.global_batch),
                 }
                 if step % t.eval_every == 0 or step == t.steps:
                     last_eval = evaluate(eval_step, state["params"], val, bpt)
@@ -502,6 +510,8 @@ def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Che
         bar.close()
         profiler.stop()
         writer.close()
+    if jax.process_index() != 0:  # the corpus's unigram perplexity is printed by process 0
+        return {"step": step, **last_eval}
     return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(run.data)}
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from deltares.training.checkpoint import load_checkpoint
-from deltares.data.prepare import DataError, prepare
+from deltares.data.documents import DataError
+from deltares.data.prepare import prepare
 from deltares.train import TrainError, train
 
 from debug_runs import (
@@ -31,6 +32,7 @@ from debug_runs import (
     tree_digest, write_paragraphs,
 )
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
+from test_data import held
 
 REQUIRED_KEYS = {"step", "loss", "loss_mean", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "tokens_seen"}
 EVAL_KEYS = {"val_loss", "val_ppl", "val_bpb"}
@@ -211,14 +213,15 @@ def test_sigterm_during_a_logged_step_saves_that_step(builtin_dataset, tmp_path,
 
 def test_prepare_train_eval_round_trip(tmp_path):
     corpus = tmp_path / "corpus.txt"
-    write_paragraphs(corpus, 80, seed=0)
+    paragraphs = write_paragraphs(corpus, 80, seed=0)
     assert 8_000 < corpus.stat().st_size < 20_000
     data = tmp_path / "data"
     p = run(module_cmd("deltares.data.prepare", "--source", str(corpus), "--tokenizer", "bytes", "--out", str(data),
                        "--val_fraction", "0.1"))
     assert p.returncode == 0, describe(p)
     meta = json.loads((data / "meta.json").read_text())
-    assert meta["splits"]["val"]["documents"] == 8 and meta["splits"]["train"]["documents"] == 72
+    n_val = sum(held(p, 0.1) for p in paragraphs)  # documents held out by the hash of their text
+    assert meta["splits"]["val"]["documents"] == n_val >= 1 and meta["splits"]["train"]["documents"] == 80 - n_val
 
     workdir = tmp_path / "run"
     t = run(train_cmd(workdir, f"--config.data.dataset={data}"))
@@ -283,9 +286,9 @@ def test_empty_corpus_to_prepare(tmp_path):
 def test_empty_data_file(tmp_path, small_corpus):
     data = tmp_path / "data"
     prepare(str(small_corpus), "bytes", str(data), val_fraction=0.1, progress=False)
-    (data / "train.bin").write_bytes(b"")
+    (data / "train" / "00000.bin").write_bytes(b"")
     workdir = tmp_path / "run"
-    with pytest.raises(DataError, match="train.bin is missing or empty"):
+    with pytest.raises(DataError, match="train/00000.bin is missing or empty"):
         train(config_with(data), str(workdir))
     assert_nothing_to_resume(str(workdir))
 
@@ -308,7 +311,9 @@ def test_corpus_too_small_for_one_batch(tmp_path, builtin_dataset, small_corpus)
 
     # a validation split too small for one evaluation batch: one short held-out document
     corpus = tmp_path / "c.txt"
-    corpus.write_text(small_corpus.read_text() + "\n\nshort last paragraph\n")
+    kept = [p for p in small_corpus.read_text().split("\n\n") if p.strip() and not held(p.strip(), 0.01)]
+    short = next(f"short paragraph {i}" for i in range(10_000) if held(f"short paragraph {i}", 0.01))
+    corpus.write_text("\n\n".join(kept + [short]) + "\n")
     data = tmp_path / "data"
     prepare(str(corpus), "bytes", str(data), val_fraction=0.01, progress=False)
     with pytest.raises(DataError, match="fewer than one evaluation batch"):
@@ -475,3 +480,13 @@ def test_run_on_a_bucket_resumes_and_matches_local_run(reference, fake_bucket, t
     cached = glob.glob(str(tmp_path / "cache" / "datasets" / "builtin-*" / "meta.json"))
     assert len(cached) == 1
     assert load_checkpoint(run_dir).step == STEPS
+
+
+def test_training_data_read_from_a_bucket_gives_the_local_losses(reference, builtin_dataset, fake_bucket, tmp_path):
+    """The prepared dataset served as gs:// (byte-range reads of its token files, through fsspec as
+    gcsfs would): the same batches, so the losses of the run on the local copy, bit for bit."""
+    shutil.copytree(builtin_dataset, os.path.join(fake_bucket.root, "data", "builtin"))
+    result = train(config_with("gs://data/builtin", **RESUME_OVERRIDES), str(tmp_path / "run"))
+    assert result["step"] == STEPS
+    assert {r["step"]: r["loss"] for r in read_metrics(str(tmp_path / "run"))} == reference["loss"]
+    assert result["val_loss"] == reference["result"]["val_loss"]

@@ -78,10 +78,14 @@ BASE_FIELDS = (
     Field("mesh.tensor", 1, int, None, "device mesh: tensor-parallel ways (-1: the remaining devices)"),
     Field("data.dataset", "builtin", str, None, "a prepared dataset directory, or builtin (Moby-Dick, prepared "
           "into the workdir)"),
+    Field("data.mixture", "", str, None, "several prepared datasets in proportion, DIR=WEIGHT,DIR=WEIGHT "
+          "(deltares.data.mixture); replaces data.dataset"),
     Field("data.tokenizer", "bpe:4096", str, None, "used only to prepare the built-in corpus; init_from_hf: the "
           "checkpoint's"),
     Field("data.seq_len", 256, int, POSITIVE, "tokens per sequence"),
     Field("data.prefetch", 4, int, NON_NEGATIVE, "batches prepared ahead"),
+    Field("data.document_mask", False, bool, None, "attention stays inside each document of a window and positions "
+          "restart per document (segments from end-of-text); off: documents see their predecessors"),
     Field("train.global_batch", 8, int, POSITIVE, "sequences per step, over all devices"),
     Field("train.micro_batches", 1, int, POSITIVE, "gradient accumulation: global_batch splits into this many"),
     Field("train.steps", 1000, int, POSITIVE, "optimizer steps"),

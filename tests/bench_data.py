@@ -1,0 +1,192 @@
+"""Benchmark of the data path: preparing text at 100 MB and 1 GB with 1 and 2 workers, and reading
+training windows from a local disk and from a (fake) bucket.
+
+    python -m tests.bench_data --corpora ../shared/corpora            # the whole benchmark (about 12 minutes on 2 cores)
+    python -m tests.bench_data --sizes 20 --workers 1 --read_seconds 5   # a quick look
+
+The text is built from the corpora (`*.txt.gz`): their paragraphs repeated and shuffled, one
+document of 50 MB without blank lines (5 MB below 500 MB of text) at the middle of the first
+file, split over files of 64 MB. Each prepare runs as its own process (`deltares.data.prepare`,
+the GPT-2 tokenizer) and is measured from outside: wall time, CPU seconds of the process and its
+workers, and peak resident memory (the largest sum over the process tree, sampled every 50 ms).
+Reading: windows of 2048 + 1 tokens in batches of 32 through the trainer's pipeline (shuffled,
+prefetched), from the prepared dataset on disk and from a copy served as `gs://` by fsspec's local
+filesystem with 1 ms of latency added to every request; tokens per second over `--read_seconds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FILE_BYTES = 64 << 20
+
+
+def build_text(corpora: str, n_bytes: int, out_dir: str, seed: int = 0) -> int:
+    """`n_bytes` of text in files of FILE_BYTES: shuffled paragraphs of the corpora, repeated, with one
+    long document without blank lines. Returns the bytes written."""
+    paragraphs = []
+    for path in sorted(glob.glob(os.path.join(corpora, "*.txt.gz"))) or [os.path.join(
+            ROOT, "deltares", "data", "assets", "mobydick.txt.gz")]:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            paragraphs += [p.strip() for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+    rng = random.Random(seed)
+    long_bytes = (50 << 20) if n_bytes >= (500 << 20) else (5 << 20)
+    os.makedirs(out_dir, exist_ok=True)
+    written, index, long_done = 0, 0, False
+    while written < n_bytes:
+        path = os.path.join(out_dir, f"part{index:04d}.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            size = 0
+            while size < min(FILE_BYTES, n_bytes - written):
+                if not long_done and size > FILE_BYTES // 2 - long_bytes // 2 or (not long_done and n_bytes < FILE_BYTES
+                                                                                 and size > n_bytes // 3):
+                    lines, length = [], 0
+                    while length < long_bytes:
+                        line = rng.choice(paragraphs).replace("\n", " ")
+                        lines.append(line)
+                        length += len(line) + 1
+                    text, long_done = "\n".join(lines) + "\n\n", True
+                else:
+                    text = rng.choice(paragraphs) + "\n\n"
+                f.write(text)
+                size += len(text.encode("utf-8"))
+        written += size
+        index += 1
+    return written
+
+
+def measure(cmd: list[str], env: dict) -> dict:
+    """Wall seconds, CPU seconds (with children) and the peak resident memory of the process tree."""
+    start = time.perf_counter()
+    before = os.times()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(proc.pid))
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    after = os.times()
+    if proc.returncode:
+        raise SystemExit(f"error: {' '.join(cmd)} failed:\n{err[-2000:]}")
+    return dict(wall=time.perf_counter() - start, cpu=(after.children_user + after.children_system)
+                - (before.children_user + before.children_system), peak=peak, out=out)
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its descendants (Linux /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(entry))
+            except OSError:
+                continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            continue
+    return total
+
+
+def read_throughput(dataset: str, seconds: float, latency: float | None) -> float:
+    """Tokens per second through the trainer's pipeline (windows of 2048 + 1, batches of 32)."""
+    sys.path.insert(0, ROOT)
+    from deltares.data.dataset import TokenData, train_dataset, train_iterator
+
+    if latency is not None:
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        root = os.path.dirname(os.path.abspath(dataset))  # gs://NAME is the dataset directory NAME under root
+
+        class SlowBucket(LocalFileSystem):
+            protocol = ("gs", "gcs")
+
+            def __init__(self, *args, **kwargs):
+                super().__init__()
+
+            @classmethod
+            def _strip_protocol(cls, path):
+                path = os.fspath(path).removeprefix("gs://")
+                return (path if path.startswith(root) else os.path.join(root, path)).rstrip("/")
+
+            def cat_file(self, path, start=None, end=None, **kwargs):
+                time.sleep(latency)
+                return super().cat_file(path, start, end, **kwargs)
+
+        for name in ("gs", "gcs"):
+            fsspec.register_implementation(name, SlowBucket, clobber=True)
+        from etils.epath import backend
+
+        backend.fsspec_backend._get_filesystem.cache_clear()
+        dataset = "gs://" + os.path.basename(os.path.abspath(dataset))
+    tokens = TokenData(dataset).tokens("train")
+    it = train_iterator(train_dataset(tokens, 2048, 32, seed=0), prefetch=4)
+    next(it)
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        n += next(it).shape[0] * 2048
+    return n / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpora", default=os.path.join(ROOT, "..", "shared", "corpora"))
+    parser.add_argument("--sizes", default="100,1000", help="text sizes in MB, comma-separated")
+    parser.add_argument("--workers", default="1,2", help="worker counts, comma-separated")
+    parser.add_argument("--read_seconds", type=float, default=20.0)
+    args = parser.parse_args()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        last = None
+        for size in (int(s) for s in args.sizes.split(",")):
+            text_dir = os.path.join(tmp, f"text{size}")
+            n_bytes = build_text(args.corpora, size << 20, text_dir)
+            for workers in (int(w) for w in args.workers.split(",")):
+                out = os.path.join(tmp, f"ds{size}_{workers}")
+                cmd = [sys.executable, "-m", "deltares.data.prepare", "--source", f"{text_dir}/*.txt", "--tokenizer",
+                       "gpt2", "--out", out, "--workers", str(workers)]
+                print(f"preparing {n_bytes / 2**20:.0f} MB with {workers} worker(s) ...", file=sys.stderr, flush=True)
+                m = measure(cmd, env)
+                with open(os.path.join(out, "meta.json")) as f:
+                    meta = json.load(f)
+                tokens = sum(meta["splits"][s]["tokens"] for s in ("train", "val"))
+                rows.append(dict(size=n_bytes, workers=workers, tokens=tokens, **m))
+                last = out
+                print(f"  {m['wall']:.0f} s wall, {m['cpu']:.0f} CPU s, peak {m['peak'] / 2**20:.0f} MB, "
+                      f"{tokens / m['cpu']:,.0f} tokens per CPU-second", file=sys.stderr, flush=True)
+            shutil.rmtree(text_dir)
+        print("| text | workers | tokens | wall s | CPU s | wall / CPU | tokens per CPU-s | peak RSS (tree) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['size'] / 2**20:,.0f} MB | {r['workers']} | {r['tokens']:,} | {r['wall']:.0f} | {r['cpu']:.0f} | "
+                  f"{r['wall'] / r['cpu']:.2f} | {r['tokens'] / r['cpu']:,.0f} | {r['peak'] / 2**20:,.0f} MB |")
+        local = read_throughput(last, args.read_seconds, None)
+        remote = read_throughput(last, args.read_seconds, 0.001)
+        print(f"\nreading windows of 2048 + 1 tokens, batches of 32: local disk {local:,.0f} tokens/s; "
+              f"fake bucket with 1 ms per request {remote:,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -115,27 +115,13 @@ def read_throughput(dataset: str, seconds: float, latency: float | None) -> floa
 
     if latency is not None:
         import fsspec
-        from fsspec.implementations.local import LocalFileSystem
+
+        sys.path.insert(0, HERE)
+        from fake_bucket import local_bucket
 
         root = os.path.dirname(os.path.abspath(dataset))  # gs://NAME is the dataset directory NAME under root
-
-        class SlowBucket(LocalFileSystem):
-            protocol = ("gs", "gcs")
-
-            def __init__(self, *args, **kwargs):
-                super().__init__()
-
-            @classmethod
-            def _strip_protocol(cls, path):
-                path = os.fspath(path).removeprefix("gs://")
-                return (path if path.startswith(root) else os.path.join(root, path)).rstrip("/")
-
-            def cat_file(self, path, start=None, end=None, **kwargs):
-                time.sleep(latency)
-                return super().cat_file(path, start, end, **kwargs)
-
         for name in ("gs", "gcs"):
-            fsspec.register_implementation(name, SlowBucket, clobber=True)
+            fsspec.register_implementation(name, local_bucket(root, latency), clobber=True)
         from etils.epath import backend
 
         backend.fsspec_backend._get_filesystem.cache_clear()

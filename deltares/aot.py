@@ -371,6 +371,8 @@ def format_report(r: dict) -> str:
             f"estimated step time: {_seconds(e['seconds'])} per step ({e['method']} from unrolled compiles at "
             f"{e['layers_compiled']} layers; {_gib(e['bytes_accessed'])} accessed and {e['flops']:.3e} FLOPs "
             f"per device); {e['caveat']}",
+            f"estimated MFU: {_percent(e.get('mfu'))} (the 6N+attention FLOPs per step against the bf16 peak of "
+            f"{r['devices']} x {r['device_kind']} at the estimated step time)",
         ]
     lines += [
         "",
@@ -379,6 +381,20 @@ def format_report(r: dict) -> str:
         f"fits: {'yes' if r['fits'] else 'NO'}",
     ]
     return "\n".join(lines)
+
+
+def estimated_mfu(report: dict) -> float | None:
+    """Model FLOPs utilisation at the estimated step time; None for a device kind of unknown peak."""
+    from deltares.training.metrics import peak_flops_of
+
+    peak = peak_flops_of(report["device_kind"])
+    if peak is None:
+        return None
+    return report["model_flops_per_step"] / (report["estimate"]["seconds"] * report["devices"] * peak)
+
+
+def _percent(fraction: float | None) -> str:
+    return "unknown (no peak FLOPs known for this device kind)" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def main(argv):
@@ -404,6 +420,7 @@ def main(argv):
 
             print("estimating the step time: unrolled compiles at a few depths ...", file=sys.stderr, flush=True)
             report["estimate"] = estimate_step_time(_CONFIG.value, _TOPOLOGY.value, _MESH.value)
+            report["estimate"]["mfu"] = estimated_mfu(report)
     except AotError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

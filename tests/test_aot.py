@@ -77,6 +77,18 @@ def test_estimate_reports_the_compilers_step_time():
     # the compiled points themselves: deeper unrolled programs cost more
     costs = [e["points"][f"{n}/{bl}"]["seconds"] for n, bl in zip(e["layers_compiled"], e["block_layers_compiled"])]
     assert costs == sorted(costs) and costs[0] < costs[-1]
+    # estimated MFU: 6N+attention FLOPs per step over the step time and 4 v5p chips' bf16 peak (459 TFLOP/s)
+    r = report_of(proc)
+    assert r["device_kind"] == "TPU v5" and r["devices"] == 4
+    assert e["mfu"] == pytest.approx(r["model_flops_per_step"] / (e["seconds"] * 4 * 459e12))
+
+
+def test_estimated_mfu():
+    from deltares.aot import estimated_mfu
+
+    report = dict(device_kind="TPU v5 lite", devices=8, model_flops_per_step=1.97e15, estimate=dict(seconds=2.0))
+    assert estimated_mfu(report) == pytest.approx(1.97e15 / (2.0 * 8 * 197e12))  # 6.25%
+    assert estimated_mfu({**report, "device_kind": "TPU v9"}) is None
 
 
 def test_estimate_is_for_tpu_topologies_only():

@@ -82,6 +82,13 @@ def model_flops_per_token(model_cfg, seq_len: int) -> float:
     return 6 * matmul_params(model_cfg) + attention
 
 
+def peak_flops_of(device_kind: str) -> float | None:
+    """The bf16 peak of one JAX device of `device_kind`, or None for a kind not in the table."""
+    if device_kind not in PEAK_FLOPS_PER_CHIP:
+        return None
+    return PEAK_FLOPS_PER_CHIP[device_kind] / DEVICES_PER_CHIP.get(device_kind, 1)
+
+
 def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
     """The bf16 peak of one device: `override_tflops` if set, else by exact `device_kind`
     (a nominal figure on CPU); None, with one warning per process, for an unknown kind."""
@@ -91,8 +98,8 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
     if device.platform == "cpu":
         return NOMINAL_CPU_FLOPS_PER_CORE * (os.cpu_count() or 1)
     kind = device.device_kind
-    if kind in PEAK_FLOPS_PER_CHIP:
-        return PEAK_FLOPS_PER_CHIP[kind] / DEVICES_PER_CHIP.get(kind, 1)
+    if (peak := peak_flops_of(kind)) is not None:
+        return peak
     if kind not in _warned_kinds:
         _warned_kinds.add(kind)
         print(

@@ -512,13 +512,14 @@ def test_remat_does_not_change_values():
 # ----------------------------------------------------------------------------- chunked loss
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,tie", [(mode, True) for mode in MODES] + [("baseline", False), ("delta", False)],
+                         ids=lambda v: {True: "tied", False: "untied"}.get(v, v) if isinstance(v, bool) else v)
 def test_chunked_loss_and_gradients_equal_plain_loss(mode, tie):
     """The training loss path (`targets_BT`, `config.loss_chunk` tokens at a time: 4 divides
     T = 12, 5 does not) equals the mean NLL of the full logits: the loss within 1e-5 relative,
     every gradient leaf within 1e-5 of its norm (float32 sums in another order: single entries
-    near zero differ by ~1e-6 of their own size)."""
+    near zero differ by ~1e-6 of their own size). Every mode with tied embeddings; the untied head
+    (the loss path's other branch, the same for every mode) with baseline and delta."""
     toks = tokens(21, (B, 13))
     init_model = Transformer(debug_cfg(mode, tie_embeddings=tie))
     params = flax.linen.meta.unbox(init_model.init(jax.random.PRNGKey(0), toks[:, :-1]))["params"]

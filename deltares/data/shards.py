@@ -155,7 +155,12 @@ class ShardWriter:
         folder = epath.Path(directory) / split
         folder.mkdir(parents=True, exist_ok=True)
         self.name = f"{split}/{unit:05d}"
-        self.bin, self.idx = (folder / f"{unit:05d}.bin").open("wb"), (folder / f"{unit:05d}.idx").open("wb")
+        # A local file is written under a name of this process's and renamed when whole, so that two
+        # prepares of one unit never write into each other's file; a bucket object appears only whole.
+        self.final = [folder / f"{unit:05d}{ext}" for ext in (".bin", ".idx")]
+        local = not paths.is_remote(os.fspath(folder))
+        self.partial = [p.with_name(f"{p.name}.tmp{os.getpid()}") if local else p for p in self.final]
+        self.bin, self.idx = (p.open("wb") for p in self.partial)
         self.dtype, self.buffer, self.buffered = np.dtype(dtype), [], 0
         self.tokens = self.documents = self.bytes = 0
         self.max_id = -1
@@ -189,4 +194,7 @@ class ShardWriter:
         self._flush()
         self.bin.close()
         self.idx.close()
+        for partial, final in zip(self.partial, self.final):
+            if partial != final:
+                os.replace(partial, final)
         return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes}

@@ -50,6 +50,7 @@ class TokenData:
         self.path = path
         self.vocab_size = self.meta["vocab_size"]
         self.eos_id = self.meta["eos_id"]
+        self.dtype = self.meta["dtype"]
         self._tokens = {}
 
     def tokens(self, split: str) -> Tokens:
@@ -63,7 +64,7 @@ class TokenData:
                 shards = [Shard(paths.join(self.path, name + ".bin"), n) for name, n in info["shards"]]
             if not shards or not info["tokens"]:
                 raise DataError(f"{self.path}: the {split} split is missing or empty")
-            self._tokens[split] = Tokens(shards, self.meta["dtype"])
+            self._tokens[split] = Tokens(shards, self.dtype)
         return self._tokens[split]
 
     @property
@@ -78,7 +79,7 @@ class TokenData:
     def record(self) -> dict:
         """What a checkpoint keeps of the dataset it was trained on, to recognise other data later."""
         return {"tokenizer": self.meta["tokenizer"], "tokenizer_sha256": self.tokenizer_fingerprint,
-                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "dtype": self.meta["dtype"],
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "dtype": self.dtype,
                 "tokens": {split: info.get("tokens") for split, info in self.meta["splits"].items()}}
 
     def check_ids(self, vocab_size: int) -> None:
@@ -125,11 +126,10 @@ class Windows:
 
     def batch(self, indices) -> np.ndarray:
         """[len(indices), seq_len + 1] int32: the windows at `indices`, read together."""
-        starts = np.asarray(indices, np.int64) * self.seq_len
         if isinstance(self.tokens, Tokens):
-            return self.tokens.windows(starts, self.seq_len + 1)
-        return np.stack([self[i] for i in np.asarray(indices)]) if len(starts) else np.zeros((0, self.seq_len + 1),
-                                                                                              np.int32)
+            return self.tokens.windows(np.asarray(indices, np.int64) * self.seq_len, self.seq_len + 1)
+        rows = [self[i] for i in indices]  # an array in memory
+        return np.stack(rows) if rows else np.zeros((0, self.seq_len + 1), np.int32)
 
 
 def train_dataset(tokens, seq_len, global_batch, seed, process_index=0, process_count=1) -> grain.MapDataset:

@@ -47,7 +47,7 @@ class Mixture:
         for data, _ in self.sources[1:]:
             for what, key in (("tokenizer", "tokenizer_fingerprint"), ("token dtype", "dtype"),
                               ("end-of-text id", "eos_id")):
-                a, b = _value(first, key), _value(data, key)
+                a, b = getattr(first, key), getattr(data, key)
                 if a != b:
                     raise DataError(f"config.data.mixture: {first.path} and {data.path} differ in their {what} "
                                     f"({_short(a)} vs {_short(b)}); mix datasets prepared with one tokenizer")
@@ -76,10 +76,6 @@ class Mixture:
 
     def windows_per_epoch(self, seq_len: int) -> list[int]:
         return [len(Windows(data.tokens("train"), seq_len)) for data, _ in self.sources]
-
-
-def _value(data, key):
-    return data.meta["dtype"] if key == "dtype" else getattr(data, key)
 
 
 def _short(value) -> str:

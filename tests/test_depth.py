@@ -17,9 +17,10 @@ ROUTED = ["full_attnres", "block_attnres", "delta", "delta_block"]
 
 
 def _cfg(mode, remat, n_layers=5, d_model=32, block_layers=2, **residual):
+    residual = dict(dict(block_layers=block_layers), **residual)
     return model_config(
         vocab_size=64, d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
-        dtype="float32", remat=remat, residual=dict(mode=mode, block_layers=block_layers, **residual),
+        dtype="float32", remat=remat, residual=dict(mode=mode, **residual),
     )
 
 
@@ -31,7 +32,12 @@ def _loss_and_grads(model, params, tokens):
 
 
 @pytest.mark.parametrize("mode, residual", [(m, {}) for m in ROUTED] + [
-    ("delta", dict(gate=True, null_source=True)), ("delta_block", dict(gate=True, null_source=True))])
+    ("delta", dict(gate=True, null_source=True)), ("delta_block", dict(gate=True, null_source=True)),
+    # scans of several layers inside a segment (5 layers): per-sublayer runs of 3 and 2 layers, one
+    # scan reading every slot, a block of 4 layers (its middle 2 scanned), runs of two blocks
+    ("delta", dict(scan_segments=2)), ("full_attnres", dict(scan_segments=1)),
+    ("delta_block", dict(block_layers=4)), ("block_attnres", dict(scan_segments=2)),
+    ("delta_block", dict(scan_segments=1, include_partial=False))])
 def test_store_once_gradients_equal_standard_ad(mode, residual, remat="full"):
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
     reference = Transformer(_cfg(mode, "none", **residual))
@@ -94,3 +100,28 @@ def test_block_mode_backward_keeps_few_buffer_copies():
         buffer_bytes = make_plan(mode, n_layers, block_layers=2).n_slots * 2 * 64 * 64 * 4  # S x B x T x D float32
         copies = (_temp_bytes(mode, "full", n_layers) - baseline) / buffer_bytes
         assert copies < bound, (mode, copies)
+
+
+@pytest.mark.parametrize("segments, want", [
+    (8, [1, 2, 3, 4, 5, 6, 7, 8]),  # one-layer segments (index known): sublayer j reads slots 0..j
+    (2, [4, 8]),  # runs of 2 layers: slots up to the run's last sublayer's
+    (1, [8]),  # one scan: every slot of the buffer but the last write
+])
+def test_scanned_routers_read_their_segments_slots(segments, want, monkeypatch):
+    """Forward and backward, a router of the store-once scan is handed the slots its segment can
+    have written, not the whole buffer of 2L + 1."""
+    from deltares.nn import layers
+
+    seen = set()
+    xla_route = layers.xla_route
+
+    def recording(sources_SBTD, *args, **kwargs):
+        seen.add(sources_SBTD.shape[0])
+        return xla_route(sources_SBTD, *args, **kwargs)
+
+    model = Transformer(_cfg("delta", "full", n_layers=4, scan_segments=segments))
+    tokens = jnp.zeros((2, 9), jnp.int32)
+    params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1]))["params"]
+    monkeypatch.setattr(layers, "xla_route", recording)
+    jax.eval_shape(jax.grad(lambda p: lm_loss(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])), params)
+    assert sorted(seen) == want

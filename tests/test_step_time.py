@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from deltares.nn.config import model_config
+from deltares.nn.residual import plan_for, two_phase
 from deltares.training import step_time as st
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,36 +39,56 @@ def test_extrapolate_through_three_points_is_exact_for_a_quadratic_cost():
         st.extrapolate({2: 1.0}, 12)
 
 
-def test_extrapolate_slots_fits_layers_and_layers_times_slots():
-    """t = c0 + c1 L + c2 L S: per-layer work plus work on the whole buffer of S slots."""
-    def cost(n, slots):
-        return 0.05 + 0.01 * n + 0.0004 * n * slots
+def test_extrapolate_reads_fits_layers_and_slot_reads():
+    """t = c0 + c1 L + c2 R: per-layer work plus work in proportion to the slots read (R)."""
+    def cost(n, reads):
+        return 0.05 + 0.01 * n + 0.0004 * reads
 
-    # block modes: compiled at blocks of 2 (S = L/2 + 1), wanted at 36 layers in blocks of 6 (S = 7)
-    points = {(n, n // 2 + 1): cost(n, n // 2 + 1) for n in (2, 4, 6)}
-    assert st.extrapolate_slots(points, 36, 7) == pytest.approx(0.05 + 0.36 + 0.0004 * 36 * 7)
-    # per-sublayer modes (S = 2L + 1): the parabola through the three points
-    points = {(n, 2 * n + 1): cost(n, 2 * n + 1) for n in (2, 4, 6)}
-    parabola = st.extrapolate({n: cost(n, 2 * n + 1) for n in (2, 4, 6)}, 12)
-    assert st.extrapolate_slots(points, 12, 25) == pytest.approx(parabola) == pytest.approx(cost(12, 25))
+    # block modes, one block per segment: compiled at blocks of 2 (layer l reads l // 2 + 2 slots),
+    # wanted at 36 layers in blocks of 6
+    def block_reads(n, b):
+        return sum(l // b + 2 for l in range(n))
+
+    points = {(n, block_reads(n, 2)): cost(n, block_reads(n, 2)) for n in (2, 4, 6)}
+    assert st.extrapolate_reads(points, 36, block_reads(36, 6)) == pytest.approx(cost(36, block_reads(36, 6)))
+    # per-sublayer modes with one-layer segments (layer l reads 2l + 2 slots, R = L(L + 1)): the
+    # parabola through the three points
+    points = {(n, n * (n + 1)): cost(n, n * (n + 1)) for n in (2, 4, 6)}
+    parabola = st.extrapolate({n: cost(n, n * (n + 1)) for n in (2, 4, 6)}, 12)
+    assert st.extrapolate_reads(points, 12, 156) == pytest.approx(parabola) == pytest.approx(cost(12, 156))
     # two points: the line in L
-    assert st.extrapolate_slots({(2, 5): 1.0, (4, 9): 1.5}, 12, 25) == pytest.approx(3.5)
+    assert st.extrapolate_reads({(2, 5): 1.0, (4, 9): 1.5}, 12, 25) == pytest.approx(3.5)
     with pytest.raises(ValueError, match="two layer counts"):
-        st.extrapolate_slots({(2, 5): 1.0, (2, 3): 1.2}, 12, 25)
+        st.extrapolate_reads({(2, 5): 1.0, (2, 3): 1.2}, 12, 25)
+
+
+def test_slot_reads_follow_the_segments():
+    def reads(mode, n_layers, block_layers=1, segments=8, group_layers=0):
+        cfg = model_config(n_layers=n_layers, residual=dict(mode=mode, block_layers=block_layers,
+                                                            scan_segments=segments, group_layers=group_layers))
+        return st.slot_reads(plan_for(cfg), two_phase(cfg))
+
+    assert reads("baseline", 12) == 0
+    assert reads("delta", 4) == 2 + 4 + 6 + 8  # one-layer segments: layer l reads slots 0..2l + 1
+    assert reads("delta", 12) == 2 * (4 + 8 + 12 + 16) + 18 + 20 + 22 + 24  # 4 runs of 2 layers, 4 of 1
+    assert reads("delta", 12, segments=1) == 12 * 24  # one scan: every router reads 2L slots
+    assert reads("delta_block", 12, 2) == 2 * (2 + 3 + 4 + 5 + 6 + 7)  # block n: e, n completed, partial
+    assert reads("delta_block", 36, 6) == 6 * (2 + 3 + 4 + 5 + 6 + 7)
+    assert reads("delta", 12, group_layers=2) == 12 * 25  # two-phase: every group reads the whole buffer
 
 
 def test_compile_plan_keeps_small_blocks_and_shrinks_large_ones():
     def plan(mode, block_layers, layers=None):
         return st.compile_plan(model_config(n_layers=36, residual=dict(mode=mode, block_layers=block_layers)), layers)
 
-    assert plan("baseline", 4) == ((2, 2, 0), (4, 4, 0))  # (layers, block_layers clamped, slots)
-    assert plan("delta", 4) == ((2, 2, 5), (4, 4, 9), (6, 4, 13))  # 2L + 1 slots
-    assert plan("full_attnres", 6, (2, 3, 4)) == ((2, 2, 5), (3, 3, 7), (4, 4, 9))
-    # block modes: blocks of min(block_layers, 2), so 2, 3, 4 slots; s220m's own blocks of 2
-    assert plan("delta_block", 2) == ((2, 2, 2), (4, 2, 3), (6, 2, 4))
-    assert plan("delta_block", 6) == ((2, 2, 2), (4, 2, 3), (6, 2, 4))
-    assert plan("block_attnres", 1) == ((2, 1, 3), (4, 1, 5), (6, 1, 7))
-    assert plan("delta_block", 6, (4, 8)) == ((4, 4, 2), (8, 4, 3))
+    assert plan("baseline", 4) == ((2, 2, 0), (4, 4, 0))  # (layers, block_layers clamped, slot reads)
+    assert plan("delta", 4) == ((2, 2, 6), (4, 4, 20), (6, 4, 42))  # one-layer segments: L(L + 1)
+    assert plan("full_attnres", 6, (2, 3, 4)) == ((2, 2, 6), (3, 3, 12), (4, 4, 20))
+    # block modes: blocks of min(block_layers, 2); s220m's own blocks of 2
+    assert plan("delta_block", 2) == ((2, 2, 4), (4, 2, 10), (6, 2, 18))
+    assert plan("delta_block", 6) == ((2, 2, 4), (4, 2, 10), (6, 2, 18))
+    assert plan("block_attnres", 1) == ((2, 1, 5), (4, 1, 14), (6, 1, 27))
+    assert plan("delta_block", 6, (4, 8)) == ((4, 4, 8), (8, 4, 20))
     assert st.n_slots_of(model_config(n_layers=36, residual=dict(mode="delta_block", block_layers=6))) == 7
     assert st.n_slots_of(model_config(n_layers=12, residual=dict(mode="delta"))) == 25
     assert st.n_slots_of(model_config(n_layers=12, residual=dict(mode="baseline"))) == 0
@@ -124,7 +145,7 @@ def test_estimate_from_shallow_compiles_matches_the_full_unroll():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     estimate, full = out["estimate"], out["full"]
     assert estimate["layers_compiled"] == [2, 3, 4] and full["layers_compiled"] == [6]
-    assert estimate["method"] == "layers and layers x slots" and full["method"] == "full"
+    assert estimate["method"] == "layers and slot reads" and full["method"] == "full"
     assert "not a measurement" in full["caveat"]
     assert (estimate["mode"], estimate["n_layers"], estimate["n_slots"], estimate["devices"]) == ("delta", 6, 13, 4)
     points = estimate["points"]

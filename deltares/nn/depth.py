@@ -28,10 +28,11 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deltares.nn import routing
 from deltares.nn.config import BLOCK_MODES
-from deltares.nn.residual import ResidualPlan
+from deltares.nn.residual import ResidualPlan, Segment, row
 
 STREAM_AXES = ("batch", "length", "act_embed")  # logical names of the stream and of each source
 SOURCES_AXES = ("sources",) + STREAM_AXES
@@ -53,6 +54,7 @@ class DepthState(NamedTuple):
     sources_SBTD: jax.Array | tuple | None  # source buffer [S, B, T, D], or the slots so far (None in baseline)
     inv_rms_SBT: jax.Array | tuple | None  # float32 1/rms of every slot
     h_block_BTD: jax.Array | None = None  # block modes: the stream where the running block began
+    segment: Segment | None = None  # a store-once scan's segment: routers read its first n_read slots only
 
 
 def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS, listed: bool = False) -> DepthState:
@@ -86,18 +88,33 @@ def _block_partial(state: DepthState, dtype, eps: float):
 
 
 def routing_sources(plan: ResidualPlan, state: DepthState, j, eps: float = routing.NORM_EPS, final: bool = False):
-    """The buffer and 1/rms sublayer j routes over: the state's. With `final` (the state holds the
-    final buffer: a backward pass), block modes' partial slot (j's write slot, where the final
-    buffer holds the completed block) is read from the stream instead, h - h_block: the value
-    `add_delta` wrote there, by the same arithmetic."""
+    """The buffer and 1/rms sublayer j routes over: the state's (within a `segment`, its first
+    n_read slots). With `final` (the state holds the final buffer: a backward pass), block modes'
+    partial slot (j's write slot, where the final buffer holds the completed block) is read from
+    the stream instead, h - h_block: the value `add_delta` wrote there, by the same arithmetic."""
+    sources, inv = state.sources_SBTD, state.inv_rms_SBT
+    seg = state.segment
+    if seg is not None:
+        sources, inv = sources[: seg.n_read], inv[: seg.n_read]
     if plan.mode not in BLOCK_MODES or not final:
-        return state.sources_SBTD, state.inv_rms_SBT
-    slot = jnp.asarray(plan.write)[j]
-    p_BTD, p_inv_BT = _block_partial(state, state.sources_SBTD.dtype, eps)
-    is_slot = jnp.arange(plan.n_slots) == slot
-    sources = jnp.where(is_slot[:, None, None, None], p_BTD[None], state.sources_SBTD)
-    inv = jnp.where(is_slot[:, None, None], p_inv_BT[None], state.inv_rms_SBT)
-    return sources, inv
+        return sources, inv
+    p_BTD, p_inv_BT = _block_partial(state, sources.dtype, eps)
+    if seg is not None and seg.write is not None:  # one block: its partial's slot is known
+        if seg.write >= seg.n_read:  # not read (include_partial off)
+            return sources, inv
+        w = seg.write
+        return (jnp.concatenate([sources[:w], p_BTD[None], sources[w + 1:]]),
+                jnp.concatenate([inv[:w], p_inv_BT[None], inv[w + 1:]]))
+    is_slot = jnp.arange(sources.shape[0]) == row(plan.write, j, seg)
+    return (jnp.where(is_slot[:, None, None, None], p_BTD[None], sources),
+            jnp.where(is_slot[:, None, None], p_inv_BT[None], inv))
+
+
+def _select(flag, a, b):
+    """jnp.where(flag, a, b), decided when tracing where the flag is known (`row`)."""
+    if isinstance(flag, (bool, np.bool_)):
+        return a if flag else b
+    return jnp.where(flag, a, b)
 
 
 def _window_start(plan: ResidualPlan, j):
@@ -144,7 +161,7 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         return state.h_BTD, None, jnp.asarray(False)
     if _check_listed(state, j) and prefix is not None:
         raise TypeError("two-phase routing (prefix) reads a scanned source buffer, not a tuple of sources")
-    routed = jnp.asarray(plan.routed | null_source)[j]
+    routed = row(plan.routed | null_source, j, state.segment)
     residual = None if plan.replaces_stream else state.h_BTD
     if prefix is not None:
         sources, inv, valid = _intra_sources(plan, state, j, prefix, eps)
@@ -157,9 +174,12 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         if weights_SBT is not None:
             weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     else:
-        x_BTD, weights_SBT = router(sources, inv, jnp.asarray(plan.read)[j], residual)
+        n = sources.shape[0]
+        x_BTD, weights_SBT = router(sources, inv, row(plan.read, j, state.segment)[:n], residual)
+        if weights_SBT is not None and n < plan.n_slots:
+            weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     if residual is not None:  # single source: no routing, x = h
-        x_BTD = jnp.where(routed, x_BTD, state.h_BTD)
+        x_BTD = _select(routed, x_BTD, state.h_BTD)
     return x_BTD, weights_SBT, routed
 
 
@@ -176,7 +196,7 @@ def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = rout
         if listed:  # j is known
             h_block = state.h_BTD if plan.opens_block[j] else state.h_block_BTD
         else:
-            h_block = jnp.where(jnp.asarray(plan.opens_block)[j], state.h_BTD, state.h_block_BTD)
+            h_block = _select(row(plan.opens_block, j, state.segment), state.h_BTD, state.h_block_BTD)
         slot_BTD, slot_inv_BT = _block_partial(DepthState(h_BTD, None, None, h_block), dtype, eps)
     else:
         slot_BTD = v_BTD.astype(dtype)
@@ -185,10 +205,10 @@ def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = rout
         keep = int(plan.write[j])
         sources = state.sources_SBTD[:keep] + (nn.with_logical_constraint(slot_BTD, STREAM_AXES),)
         return DepthState(h_BTD, sources, state.inv_rms_SBT[:keep] + (slot_inv_BT,), h_block)
-    slot = jnp.asarray(plan.write)[j]
+    slot = row(plan.write, j, state.segment)
     sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
     inv = state.inv_rms_SBT.at[slot].set(slot_inv_BT)
-    return DepthState(h_BTD, sources, inv, h_block)
+    return DepthState(h_BTD, sources, inv, h_block, state.segment)
 
 
 def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
@@ -230,14 +250,19 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
             final, stats, h_L = _grouped_forward(layer_fn, group_prefix, params_L, state, plan, unroll)
             return (final, stats), (params_L, h_L, final)
 
-        def body(state, xs):
-            params_l, layer = xs
-            h_l = state.h_BTD
-            state, stats = layer_fn(params_l, state, layer)
-            return state, (stats, h_l)
+        stats, h_L = [], []  # per segment: the layers' statistics and input streams
+        for seg in plan.segments:
+            def body(state, xs, seg=seg):
+                params_l, layer = xs
+                h_l = state.h_BTD
+                state, stats = layer_fn(params_l, state._replace(segment=seg), layer)
+                return state._replace(segment=None), (stats, h_l)
 
-        final, (stats, h_L) = jax.lax.scan(body, state, (params_L, jnp.arange(plan.n_layers)), unroll=unroll)
-        return (final, stats), (params_L, h_L, final)
+            state, (stats_s, h_s) = _scan(body, state, (_segment_of(params_L, seg), _layers_of(seg)), seg, unroll)
+            stats.append(stats_s)
+            h_L.append(h_s)
+        stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
+        return (state, stats), (params_L, tuple(h_L), state)
 
     def backward(residuals, cotangents):
         params_L, h_L, final = residuals
@@ -268,33 +293,41 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
     h_block's cotangent (also from every partial read) is added to the stream's at the sublayer
     that opened the block. h_j comes from the saved layer input (attention) or as h_l + v_attn
     (MLP): v_attn is the final buffer's slot (per-sublayer modes) or recomputed (block modes)."""
-    write = jnp.asarray(plan.write)
     block = plan.mode in BLOCK_MODES
-    opens, closes = jnp.asarray(plan.opens_block), jnp.asarray(plan.closes_block)
     block_start = jnp.asarray(plan.block_start_layer)
 
-    def body(carry, xs):
+    def body(carry, xs, seg: Segment):
         d_h, d_sources, d_inv, d_block = carry
         params_l, layer, h_l = xs
-        h_block = h_L[block_start[layer]] if block else None
+        h_block = None
+        if block:  # a block's first layer: known in a segment of whole blocks or of one block's layers
+            start = row(np.repeat(plan.block_start_layer, 2), 2 * layer, seg)
+            h_block = _stream_at(h_L, segments, int(start)) if isinstance(start, np.integer) else \
+                h_L[[s.first for s in segments].index(seg.first)][block_start[layer] - seg.first]
+        n = seg.n_read
 
         def delta(p, h, sources, inv, h_block, k):
-            return layer_fn(p, DepthState(h, sources, inv, h_block), layer, only=k)
+            return layer_fn(p, DepthState(h, sources, inv, h_block, seg), layer, only=k)
 
-        primals = (final.sources_SBTD, final.inv_rms_SBT, h_block)
+        # the VJP is with respect to the slots the segment reads: its cotangent updates those only.
+        # The barrier ties the final buffer to the iteration, so that its slice is read in place by
+        # each layer, not hoisted out of the loop as a copy per segment.
+        sources, inv, d_h = jax.lax.optimization_barrier((final.sources_SBTD, final.inv_rms_SBT, d_h))
+        primals = (sources[:n], inv[:n], h_block)
         if block:
             v_attn, attn_vjp = jax.vjp(lambda p, h, *rest: delta(p, h, *rest, 0), params_l, h_l, *primals)
             v_attn = v_attn[0]
         else:
-            v_attn = final.sources_SBTD[write[2 * layer]]
+            v_attn = final.sources_SBTD[row(plan.write, 2 * layer, seg)]
         h_mid = h_l + v_attn.astype(h_l.dtype)
         d_params_l = None
         for k, h_in in ((1, h_mid), (0, h_l)):
             j = 2 * layer + k
-            slot = write[j]
+            slot = row(plan.write, j, seg)
             if block:
                 if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
-                    d_h, d_block = _closed_block_cotangent(final, d_sources, d_inv, slot, closes[j], d_h, d_block, eps)
+                    d_h, d_block = _closed_block_cotangent(final, d_sources, d_inv, slot,
+                                                           row(plan.closes_block, j, seg), d_h, d_block, eps)
                 d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
             else:
                 d_v, d_v_inv = (d_h + d_sources[slot]).astype(h_in.dtype), d_inv[slot]
@@ -303,29 +336,65 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
             else:
                 _, vjp = jax.vjp(lambda p, h, *rest, k=k: delta(p, h, *rest, k), params_l, h_in, *primals)
             d_p, d_h_in, d_src, d_inv_k, d_block_k = vjp((d_v, d_v_inv))
-            d_h, d_sources, d_inv = d_h + d_h_in, d_sources + d_src, d_inv + d_inv_k
+            d_h = d_h + d_h_in
+            d_sources, d_inv = d_sources.at[:n].add(d_src), d_inv.at[:n].add(d_inv_k)
             if block:
                 d_block = d_block + d_block_k.astype(d_block.dtype)
                 if k == 0:  # only an attention sublayer can open a block; h_block is its input h_j
-                    d_h = jnp.where(opens[j], d_h + d_block.astype(d_h.dtype), d_h)
-                    d_block = jnp.where(opens[j], 0, d_block)
+                    opens_j = row(plan.opens_block, j, seg)
+                    d_h = _select(opens_j, d_h + d_block.astype(d_h.dtype), d_h)
+                    d_block = _select(opens_j, jnp.zeros_like(d_block), d_block)
             d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
         return (d_h, d_sources, d_inv, d_block), d_params_l
 
     d_block0 = d_final.h_block_BTD if block else None
     carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT, d_block0)
-    xs = (params_L, jnp.arange(plan.n_layers), h_L)
-    (d_h, d_sources, d_inv, d_block), d_params = jax.lax.scan(body, carry, xs, reverse=True, unroll=unroll)
-    return d_params, _initial_cotangent(plan, d_h, d_sources, d_inv, d_block, d_final.sources_SBTD.dtype)
+    d_params = []
+    segments = plan.segments
+    for seg, h_seg in reversed(list(zip(segments, h_L))):
+        xs = (_segment_of(params_L, seg), _layers_of(seg), h_seg)
+        carry, d_params_s = _scan(functools.partial(body, seg=seg), carry, xs, seg, unroll, reverse=True)
+        d_params.insert(0, d_params_s)
+    d_params = jax.tree.map(lambda *a: jnp.concatenate(a), *d_params)
+    return d_params, _initial_cotangent(plan, *carry, d_final.sources_SBTD.dtype)
+
+
+def _scan(body, carry, xs, seg: Segment, unroll: bool, reverse: bool = False):
+    """jax.lax.scan of `body` over a segment's layers (xs: their parameters, indices, ...); a
+    one-layer segment runs once with its layer index an int (known when tracing)."""
+    if seg.n_layers > 1:
+        return jax.lax.scan(body, carry, xs, reverse=reverse, unroll=unroll)
+    params_l, _, *rest = jax.tree.map(lambda a: a[0], xs)
+    carry, out = body(carry, (params_l, seg.first, *rest))
+    return carry, jax.tree.map(lambda a: a[None], out)
+
+
+def _stream_at(h_L, segments, layer: int):
+    """The saved input stream of `layer` (an int) from the per-segment streams."""
+    for seg, h_seg in zip(segments, h_L):
+        if seg.first <= layer < seg.first + seg.n_layers:
+            return h_seg[layer - seg.first]
+    raise IndexError(layer)
+
+
+def _segment_of(params_L, seg: Segment):
+    """The stacked parameters of a segment's layers."""
+    return jax.tree.map(lambda a: a[seg.first: seg.first + seg.n_layers], params_L)
+
+
+def _layers_of(seg: Segment):
+    return jnp.arange(seg.first, seg.first + seg.n_layers)
 
 
 def _closed_block_cotangent(final: DepthState, d_sources, d_inv, slot, closes_j, d_h, d_block, eps: float):
     """Block modes, at an MLP sublayer j: where j closes its block, the block's slot holds its last
     write c = h_{j+1} - h_block (read by later blocks), whose cotangent (through 1/rms too) goes to
     h_{j+1} and, negated, to h_block. Returns (d_h, d_block)."""
+    if isinstance(closes_j, (bool, np.bool_)) and not closes_j:  # known when tracing: nothing to add
+        return d_h, d_block
     _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), final.sources_SBTD[slot])
     (d_c_inv,) = inv_vjp(d_inv[slot])
-    d_c = jnp.where(closes_j, d_sources[slot].astype(jnp.float32) + d_c_inv, 0)
+    d_c = _select(closes_j, d_sources[slot].astype(jnp.float32) + d_c_inv, jnp.zeros_like(d_c_inv))
     return d_h + d_c.astype(d_h.dtype), d_block - d_c.astype(d_block.dtype)
 
 

@@ -21,6 +21,10 @@ for all the group's sublayers in one pass, and the few written inside the group
 (`intra_read`), merged per sublayer. A group is `group_layers` consecutive layers
 (at most; a divisor of the block in the block modes, whose only intra source is then
 the partial, and of the depth in the per-sublayer modes).
+
+The store-once scan runs in segments (`ResidualPlan.segments`): consecutive layers whose
+routers read a static prefix of the buffer, the slots any of them reads. A scanned router
+then reads the slots written so far (up to a segment's few), not all n_slots.
 """
 
 from __future__ import annotations
@@ -28,9 +32,21 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from deltares.nn.config import BLOCK_MODES, MODES, REPLACEMENT_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers [first, first + n_layers) of the store-once scan: their routers read slots
+    0..n_read - 1 of the buffer; `write`: the one slot they all write (a block), else None."""
+
+    first: int
+    n_layers: int
+    n_read: int
+    write: int | None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,6 +58,7 @@ class ResidualPlan:
     write: np.ndarray  # [2L] int: slot that receives sublayer j's delta
     final_read: np.ndarray  # [n_slots] bool: slots of the Kimi modes' output routing
     group_layers: int = 1  # layers per two-phase routing group (a divisor of the block in the block modes)
+    scan_segments: int = 1  # at most this many segments of the store-once scan (`segments`)
 
     @property
     def n_sources(self) -> np.ndarray:
@@ -85,6 +102,38 @@ class ResidualPlan:
         return self.read & ~self.prefix_read
 
     @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The store-once scan's segments: at most `scan_segments` runs of consecutive layers of
+        near-equal length (block modes: whole blocks), each with the static number of slots its
+        routers read (`Segment.n_read`). Per-sublayer modes: a router of the segment reads up to
+        2 x (its layers) - 1 slots beyond its own sources; block modes with one block a run:
+        exactly its own, and the run is split into its first layer, the middle ones and its last
+        layer, so that within each segment every table of the plan is the same at every layer
+        (`row`: known when tracing). A one-layer segment runs with its layer index known."""
+        if not self.uses_sources:
+            return (Segment(0, self.n_layers, 1, None),)
+        unit = 1  # block modes: a block (its layers write one slot and read the same ones)
+        if self.mode in BLOCK_MODES:
+            unit = int((self.write == self.write[0]).sum()) // 2
+        units = math.ceil(self.n_layers / unit)
+        k = max(1, min(self.scan_segments, units))
+        out, first = [], 0
+        for i in range(k):  # near-equal runs of whole units; a short last block stays last
+            n = min((units // k + (i < units % k)) * unit, self.n_layers - first)
+            subs = slice(2 * first, 2 * (first + n))
+            n_read = int(np.nonzero(self.read[subs].any(axis=0))[0].max()) + 1
+            writes = np.unique(self.write[subs])
+            write = int(writes[0]) if len(writes) == 1 else None
+            if write is not None and n > 1:  # one block: its first and last layers alone (their sublayers
+                # open and close it), so that every segment's flags and slots are the same at each layer
+                runs = [(first, 1), (first + 1, n - 2), (first + n - 1, 1)]
+                out += [Segment(a, m, n_read, write) for a, m in runs if m > 0]
+            else:
+                out.append(Segment(first, n, n_read, write))
+            first += n
+        return tuple(out)
+
+    @property
     def uses_sources(self) -> bool:
         return self.mode != "baseline"
 
@@ -94,12 +143,25 @@ class ResidualPlan:
         return self.mode in REPLACEMENT_MODES
 
 
+def row(table: np.ndarray, j, segment: Segment | None = None):
+    """table[j] of a [2L, ...] table of the plan for sublayer j: a NumPy value (known when tracing, so
+    that XLA folds the selects and fixes the slots it decides) where j is an int or the table is the
+    same at every sublayer of `segment`, else the table indexed by the traced j."""
+    if isinstance(j, (int, np.integer)):
+        return table[j]
+    if segment is not None:
+        rows = table[2 * segment.first: 2 * (segment.first + segment.n_layers)]
+        if (rows == rows[0]).all():
+            return rows[0]
+    return jnp.asarray(table)[j]
+
+
 def n_blocks(n_layers: int, block_layers: int) -> int:
     return math.ceil(n_layers / block_layers)
 
 
 def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: bool = True,
-              group_layers: int = 1) -> ResidualPlan:
+              group_layers: int = 1, scan_segments: int = 1) -> ResidualPlan:
     """The source table of DESIGN.md section 3 for one mode and depth. Routing groups: the largest
     divisor of `block_layers` (block modes: groups tile blocks, so a group's earlier sources are
     the completed blocks and its intra source the partial) or of `n_layers` (per-sublayer modes)
@@ -130,12 +192,13 @@ def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: 
     final_read = np.ones(n_slots, bool) if mode in REPLACEMENT_MODES else np.zeros(n_slots, bool)
     span = block_layers if mode in BLOCK_MODES else n_layers  # groups tile blocks, or the whole stack
     group = max(g for g in range(1, max(1, min(group_layers, span)) + 1) if span % g == 0)
-    return ResidualPlan(mode, n_layers, n_slots, read, write, final_read, group)
+    return ResidualPlan(mode, n_layers, n_slots, read, write, final_read, group, max(1, scan_segments))
 
 
 def plan_for(model_cfg) -> ResidualPlan:
     res = model_cfg.residual
-    return make_plan(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial, max(1, res.group_layers))
+    return make_plan(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial, max(1, res.group_layers),
+                     res.scan_segments)
 
 
 def two_phase(model_cfg) -> bool:

@@ -20,22 +20,18 @@ The cost analysis counts the body of a loop once, whatever its trip count, so:
 Unrolling a deep model makes compiles slow (36 unrolled layers take many minutes on a few
 cores), so the step is compiled at a few small depths, all else equal, and extrapolated.
 Baseline's cost is linear in depth: through two depths, t(L) = t(a) + (L - a)(t(b) - t(a))/(b - a)
-(`extrapolate`). A routed mode's per-layer cost grows with the source buffer, since every
-router reads (and the backward pass carries) all n_slots slots, masked: n_slots = 2L + 1 in
-the per-sublayer modes, n_blocks + 1 in block modes. So its cost is fitted as
-t = c0 + c1 L + c2 L S through three compiles (`extrapolate_slots`; for S = 2L + 1 the
-parabola in L) and evaluated at the model's L and S. A line through two depths misses the
-L x S term: on s220m (12 layers, v5p:2x2x1, batch 32 x 2048, remat full) by -9.3% for delta
-and -2.9% for delta_block, where the fit through 2, 4, 6 layers is within 2% of the full
-unroll (+1.5%, -1.8%; baseline's line +0.03%). Block modes are compiled with a small block size
-(`compile_plan`) so that the slot count varies across the compiles as it does with depth.
+(`extrapolate`). A routed mode's per-layer cost grows with the slots its routers read (and whose
+cotangents its backward pass updates): the store-once scan runs in segments whose routers read
+the slots written before the segment's end (`ResidualPlan.segments`), so the cost is fitted as
+t = c0 + c1 L + c2 R, R the slots read summed over the layers (`slot_reads`), through three
+compiles (`extrapolate_reads`) and evaluated at the model's L and R. Block modes are compiled
+with a small block size (`compile_plan`) so that the slot count varies across the compiles as it
+does with depth.
 
-Two-phase grouped routing (`deltares.nn.residual.two_phase`, the default for scanned layers under
-remat) reads the buffer once per group of G layers (phase one: cost in L/G x S) and, per
-sublayer, only the slots written inside its group (cost in L x G): at a fixed G the same
-t = c0 + c1 L + c2 L S. With the default G = 1 that holds at any depth and block size; for
-G > 1 the compiles are at G, 2G and 3G layers (blocks kept) so that each has the model's
-groups (`default_layers`).
+Two-phase grouped routing (`deltares.nn.residual.two_phase`, opt-in) reads the whole buffer
+once per group of G layers (R = L x n_slots) and, per sublayer, only the slots written inside
+its group (cost in L x G): at a fixed G the same form. For G > 1 the compiles are at G, 2G and
+3G layers (blocks kept) so that each has the model's groups (`default_layers`).
 
 `estimate_step_time(..., full=True)` compiles the whole unrolled model instead: the check of
 the extrapolation.
@@ -75,27 +71,38 @@ def extrapolate(points: Mapping[int, float], n_layers: int) -> float:
     return total
 
 
-def extrapolate_slots(points: Mapping[tuple[int, int], float], n_layers: int, n_slots: int) -> float:
-    """The cost of a routed model of `n_layers` layers and `n_slots` source slots from compiles at
-    other (layers, slots) `points`, under t = c0 + c1 L + c2 L S: every layer does the same work
-    plus work in proportion to the buffer it reads and writes (every router reads all S slots,
-    masked). Three points: solved exactly (with S = 2L + 1, as in the per-sublayer modes, this is
-    the parabola in L through them); more: least squares; two: the line in L (S ignored)."""
+def extrapolate_reads(points: Mapping[tuple[int, int], float], n_layers: int, reads: int) -> float:
+    """The cost of a routed model of `n_layers` layers whose routers read `reads` slots in all
+    (`slot_reads`) from compiles at other (layers, reads) `points`, under t = c0 + c1 L + c2 R:
+    every layer does the same work plus work in proportion to the slots its routers read (and
+    whose cotangents its backward pass updates). Three points: solved exactly; more: least
+    squares; two: the line in L (R ignored)."""
     import numpy as np
 
     keys = sorted(points)
     if len(keys) < 2 or len({L for L, _ in keys}) < 2:
-        raise ValueError(f"extrapolate_slots needs at least two layer counts, got {keys}")
+        raise ValueError(f"extrapolate_reads needs at least two layer counts, got {keys}")
     if len(keys) == 2:
-        return extrapolate({L: points[(L, S)] for L, S in keys}, n_layers)
-    design = np.array([[1.0, L, L * S] for L, S in keys])
+        return extrapolate({L: points[(L, R)] for L, R in keys}, n_layers)
+    design = np.array([[1.0, L, R] for L, R in keys])
     coef, *_ = np.linalg.lstsq(design, np.array([points[k] for k in keys]), rcond=None)
-    return float(coef @ np.array([1.0, n_layers, n_layers * n_slots]))
+    return float(coef @ np.array([1.0, n_layers, reads]))
+
+
+def slot_reads(plan, grouped: bool = False) -> int:
+    """Slots a routed model's routers read, summed over its layers: each layer of a store-once
+    scan segment reads the segment's `n_read` slots (`ResidualPlan.segments`); with two-phase
+    routing (`grouped`) every group reads all n_slots; 0 in baseline."""
+    if not plan.uses_sources:
+        return 0
+    if grouped:
+        return plan.n_layers * plan.n_slots
+    return sum(seg.n_layers * seg.n_read for seg in plan.segments)
 
 
 def default_layers(model_cfg) -> tuple[int, ...]:
     """Depths to compile: (2, 4) in baseline (its cost is linear in depth); (2, 4, 6) in the
-    routed modes, whose per-layer cost grows with the source buffer (`extrapolate_slots`); with
+    routed modes, whose per-layer cost grows with the slots its routers read (`extrapolate_reads`); with
     two-phase routing over groups of G > 1 layers the first three multiples of G (of the block in
     the block modes), so that every compile has the model's groups (and blocks)."""
     if model_cfg.residual.mode == "baseline":
@@ -118,7 +125,7 @@ def _multi_layer_groups(model_cfg) -> bool:
 
 
 def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[int, int, int], ...]:
-    """(n_layers, block_layers, n_slots) of each shallow compile for `layers` (default
+    """(n_layers, block_layers, slot reads) of each shallow compile for `layers` (default
     `default_layers`). Block modes are compiled with block_layers = min(block_layers, smallest
     depth): kept when small (2 in s220m, so (2, 4, 6) are the deep model's own blocks), reduced
     otherwise (s1044m's 6), so that the slot count grows across the compiles as it does with
@@ -126,7 +133,7 @@ def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[
     say nothing of the 7 slots every router of the 36-layer model reads. With two-phase routing
     over groups of more than one layer the model's own block size is kept: the groups tile its
     blocks (`default_layers` then compiles at multiples of it)."""
-    from deltares.nn.residual import make_plan
+    from deltares.nn.residual import make_plan, two_phase
 
     layers = tuple(int(n) for n in (layers if layers is not None else default_layers(model_cfg)))
     if len(set(layers)) != len(layers) or min(layers) < 1:
@@ -138,8 +145,8 @@ def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[
     out = []
     for n in sorted(layers):
         bl = min(block_layers, n)
-        plan = make_plan(res.mode, n, bl, res.include_partial, max(1, res.group_layers))
-        out.append((n, bl, plan.n_slots if plan.uses_sources else 0))
+        plan = make_plan(res.mode, n, bl, res.include_partial, max(1, res.group_layers), res.scan_segments)
+        out.append((n, bl, slot_reads(plan, two_phase(model_cfg))))
     return tuple(out)
 
 
@@ -237,7 +244,7 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     Compiles the step, every layer scan unrolled, at the shallow depths of
     `compile_plan(cfg.model, layers)` (default (2, 4) in baseline, (2, 4, 6) in the routed modes;
     block modes at a small block size) and extrapolates to the model's depth and slot count
-    (`extrapolate_slots`; baseline: `extrapolate`, the line t(a) + (L - a)(t(b) - t(a))/(b - a));
+    (`extrapolate_reads`; baseline: `extrapolate`, the line t(a) + (L - a)(t(b) - t(a))/(b - a));
     `full=True` compiles the full unrolled model instead. The missed bodies of the chunked loss
     loop are added (`loss_loop_costs`, measured at the smallest depth). Returns per device: `seconds`, `flops`, `bytes_accessed`;
     `flops_per_step` (times the devices); `points` (each compile's figures, the loss loop not
@@ -245,9 +252,12 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     `compile_seconds` (all compiles); and what was estimated (mode, depth, topology, mesh,
     batch, remat). Raises the compiler's error where a compile fails (e.g. out of HBM)."""
     mesh, devices = _mesh(cfg, topology, mesh_override)
+    from deltares.nn.residual import plan_for, two_phase
+
     n_layers, n_slots = cfg.model.n_layers, n_slots_of(cfg.model)
+    reads = slot_reads(plan_for(cfg.model), two_phase(cfg.model))
     shallow = compile_plan(cfg.model, layers)
-    specs = ((n_layers, cfg.model.residual.block_layers, n_slots),) if full else shallow
+    specs = ((n_layers, cfg.model.residual.block_layers, reads),) if full else shallow
     points = {(n, bl): compile_costs(_with(cfg, n_layers=n, block_layers=bl), mesh) for n, bl, _ in specs}
     if _loss_chunks(cfg)[1] == 1:
         loss = None
@@ -261,9 +271,9 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
         figures = {k: extrapolate({n: points[(n, bl)][k] for n, bl, _ in specs}, n_layers) for k in FIGURES}
         method = "linear" if len(specs) == 2 else f"polynomial degree {len(specs) - 1}"
     else:
-        figures = {k: extrapolate_slots({(n, S): points[(n, bl)][k] for n, bl, S in specs}, n_layers, n_slots)
+        figures = {k: extrapolate_reads({(n, R): points[(n, bl)][k] for n, bl, R in specs}, n_layers, reads)
                    for k in FIGURES}
-        method = "linear" if len(specs) == 2 else "layers and layers x slots"
+        method = "linear" if len(specs) == 2 else "layers and slot reads"
     if loss:
         figures = {k: v + loss["missing"][k] for k, v in figures.items()}
     compile_seconds = sum(p["compile_seconds"] for p in points.values())
@@ -275,6 +285,7 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
         mode=cfg.model.residual.mode,
         n_layers=n_layers,
         n_slots=n_slots,
+        slot_reads=reads,
         block_layers=cfg.model.residual.block_layers,
         topology=topology,
         devices=len(devices),

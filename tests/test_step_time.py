@@ -64,7 +64,7 @@ def test_extrapolate_reads_fits_layers_and_slot_reads():
 
 def test_slot_reads_follow_the_segments():
     def reads(mode, n_layers, block_layers=1, segments=8, group_layers=0):
-        cfg = model_config(n_layers=n_layers, residual=dict(mode=mode, block_layers=block_layers,
+        cfg = model_config(n_layers=n_layers, remat="full", residual=dict(mode=mode, block_layers=block_layers,
                                                             scan_segments=segments, group_layers=group_layers))
         return st.slot_reads(plan_for(cfg), two_phase(cfg))
 

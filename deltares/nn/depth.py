@@ -13,6 +13,11 @@ sublayers in reverse, each differentiated alone as (params, h, final buffer) -> 
 a recomputation never writes, and so never copies, the buffer. Memory beyond
 baseline: the final buffer and one cotangent buffer.
 
+Both passes run as a few scans, one per segment of layers (`ResidualPlan.segments`): a
+router reads, and its VJP updates the cotangent of, only the slots its segment can have
+written (a static prefix of the buffer), not all S; one-layer segments (a block's first and
+last layers) run with their layer index known, so the plan's flags and slots fold away.
+
 Given the routers' queries (`depth_scan(queries_fn=)`), the scan routes two-phase over
 groups of layers (DESIGN.md section 5; `_grouped_forward`, `_grouped_backward`): the
 slots completed before a group are routed for all its sublayers in one pass (`Prefix`),
@@ -310,10 +315,11 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
             return layer_fn(p, DepthState(h, sources, inv, h_block, seg), layer, only=k)
 
         # the VJP is with respect to the slots the segment reads: its cotangent updates those only.
-        # The barrier ties the final buffer to the iteration, so that its slice is read in place by
-        # each layer, not hoisted out of the loop as a copy per segment.
-        sources, inv, d_h = jax.lax.optimization_barrier((final.sources_SBTD, final.inv_rms_SBT, d_h))
-        primals = (sources[:n], inv[:n], h_block)
+        # Sliced from a start that depends on the layer (0 always), so that the slice is read in
+        # place by each layer rather than hoisted out of the loop as a copy per segment.
+        start = 0 if isinstance(layer, int) else jnp.minimum(layer, 0)
+        primals = (jax.lax.dynamic_slice_in_dim(final.sources_SBTD, start, n),
+                   jax.lax.dynamic_slice_in_dim(final.inv_rms_SBT, start, n), h_block)
         if block:
             v_attn, attn_vjp = jax.vjp(lambda p, h, *rest: delta(p, h, *rest, 0), params_l, h_l, *primals)
             v_attn = v_attn[0]

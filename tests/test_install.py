@@ -10,6 +10,7 @@ dependencies are checked separately (`test_declared_dependencies_resolve_to_the_
 them, offline, against requirements.txt's pins).
 """
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -55,6 +56,17 @@ def _package_files(directory: str) -> set[str]:
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         out |= {os.path.relpath(os.path.join(base, f), directory) for f in files if not f.endswith((".pyc", ".pyo"))}
     return out
+
+
+def _pins() -> str:
+    """The pinned set this environment holds: requirements.txt (Python 3.11, jax 0.10) or
+    requirements-py312.txt (Python 3.12, jax 0.12), whichever pins the installed jax."""
+    pin = f"jax=={importlib.metadata.version('jax')}"
+    for name in ("requirements.txt", "requirements-py312.txt"):
+        with open(os.path.join(ROOT, name)) as f:
+            if pin in (line.strip() for line in f):
+                return os.path.join(ROOT, name)
+    raise AssertionError(f"no requirements file pins {pin}")
 
 
 def _can_build_wheels_here() -> bool:
@@ -104,11 +116,12 @@ def test_wheel_holds_every_package_file_and_the_experiments(wheel):
 
 
 def test_declared_dependencies_resolve_to_the_pins(wheel):
-    """pip resolves the wheel with every extra, constrained to requirements.txt's pins (and the test
+    """pip resolves the wheel with every extra, constrained to requirements.txt's pins (or
+    requirements-py312.txt's, whichever this environment holds; and the test
     pins), from the installed packages alone (--no-index): a declared range that excluded a pin would
     need a download and fail; nothing but deltares itself would be installed."""
     proc = _run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet", "--report", "-",
-                 f"{wheel}[test]", "-c", os.path.join(ROOT, "requirements.txt"),
+                 f"{wheel}[test]", "-c", _pins(),
                  "-c", os.path.join(ROOT, "requirements-test.txt")], cwd=os.path.dirname(wheel), env=_env())
     report = json.loads(proc.stdout)
     assert [item["metadata"]["name"] for item in report["install"]] == ["deltares"]

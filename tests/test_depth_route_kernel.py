@@ -199,7 +199,10 @@ def test_gpu_kernel_lowers_to_triton_for_cuda(D):
     args = (sds((S, N, D), jnp.bfloat16), sds((S,), jnp.int32), sds((S, N), jnp.float32), sds((D,), jnp.float32),
             sds((N, D), jnp.bfloat16), sds((N, D), jnp.bfloat16), sds((S, K), jnp.float32), sds((K, D), jnp.float32),
             sds((K, N, D), jnp.float32))
-    text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # The Triton lowering asks for the GPU it targets (jax 0.12; jax 0.10 did not): an abstract H100.
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4
     assert "depth_route_prefix_fwd" in text and "depth_route_prefix_bwd" in text
 

@@ -34,10 +34,10 @@ def _loss_and_grads(model, params, tokens):
 @pytest.mark.parametrize("mode, residual", [(m, {}) for m in ROUTED] + [
     ("delta", dict(gate=True, null_source=True)), ("delta_block", dict(gate=True, null_source=True)),
     # scans of several layers inside a segment (5 layers): per-sublayer runs of 3 and 2 layers, one
-    # scan reading every slot, a block of 4 layers (its middle 2 scanned), runs of two blocks
-    ("delta", dict(scan_segments=2)), ("full_attnres", dict(scan_segments=1)),
-    ("delta_block", dict(block_layers=4)), ("block_attnres", dict(scan_segments=2)),
-    ("delta_block", dict(scan_segments=1, include_partial=False))])
+    # one-layer segments, one block a segment, runs of two blocks, uneven blocks without partial
+    ("delta", dict(scan_segments=2)), ("full_attnres", dict(scan_segments=8)),
+    ("delta_block", dict(scan_segments=8)), ("block_attnres", dict(scan_segments=2)),
+    ("delta_block", dict(scan_segments=8, block_layers=3, include_partial=False))])
 def test_store_once_gradients_equal_standard_ad(mode, residual, remat="full"):
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
     reference = Transformer(_cfg(mode, "none", **residual))
@@ -56,8 +56,8 @@ def test_store_once_gradients_equal_standard_ad(mode, residual, remat="full"):
 
 
 @functools.lru_cache(maxsize=None)
-def _temp_bytes(mode, remat, n_layers):
-    model = Transformer(_cfg(mode, remat, n_layers=n_layers, d_model=64))
+def _temp_bytes(mode, remat, n_layers, scan_segments=1):
+    model = Transformer(_cfg(mode, remat, n_layers=n_layers, d_model=64, scan_segments=scan_segments))
     tokens = jax.ShapeDtypeStruct((2, 65), jnp.int32)
     params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((2, 64), jnp.int32)))
     step = jax.jit(lambda p, t: jax.grad(lambda p: lm_loss(model.apply(p, t[:, :-1]), t[:, 1:]))(p))
@@ -74,17 +74,20 @@ def test_delta_memory_grows_linearly_with_depth_under_remat():
     assert standard[1] / standard[0] > 6.0  # quadratic
 
 
-def test_per_sublayer_backward_keeps_few_buffer_copies():
+@pytest.mark.parametrize("scan_segments, bound", [(1, 6.5), (8, 9.8)])
+def test_per_sublayer_backward_keeps_few_buffer_copies(scan_segments, bound):
     # The per-sublayer modes differentiate sublayer by sublayer over the final buffer, writing
     # nothing: beyond baseline's temporaries they hold the buffer, its cotangent and a few
-    # transients (about 5.6 buffers for delta, 4.1 for full_attnres on this CPU); the layer-level
-    # recomputation, which copies the buffer at each write, held 7.4-8.0.
+    # transients. On this CPU, in units of the buffer: one scan 5.8 (delta); 8 segments 9.4 (XLA's
+    # CPU buffers around the segments' loops; compiled for TPU the 7.6B delta step is smaller with
+    # 8 segments, 71.5 GiB against 75.2: README). The layer-level recomputation, which copies the
+    # buffer at each write, held 7.4-8.0 with one scan.
     n_layers = 32
     buffer_bytes = (2 * n_layers + 1) * 2 * 64 * 64 * 4  # S x B x T x D float32
     baseline = _temp_bytes("baseline", "full", n_layers)
     for mode in ("delta", "full_attnres"):
-        copies = (_temp_bytes(mode, "full", n_layers) - baseline) / buffer_bytes
-        assert copies < 6.5, (mode, copies)
+        copies = (_temp_bytes(mode, "full", n_layers, scan_segments) - baseline) / buffer_bytes
+        assert copies < bound, (mode, copies)
 
 
 def test_block_mode_backward_keeps_few_buffer_copies():
@@ -103,7 +106,7 @@ def test_block_mode_backward_keeps_few_buffer_copies():
 
 
 @pytest.mark.parametrize("segments, want", [
-    (8, [1, 2, 3, 4, 5, 6, 7, 8]),  # one-layer segments (index known): sublayer j reads slots 0..j
+    (8, [2, 4, 6, 8]),  # one-layer segments: layer l's routers read slots 0..2l + 1
     (2, [4, 8]),  # runs of 2 layers: slots up to the run's last sublayer's
     (1, [8]),  # one scan: every slot of the buffer but the last write
 ])

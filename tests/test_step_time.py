@@ -82,13 +82,13 @@ def test_compile_plan_keeps_small_blocks_and_shrinks_large_ones():
         return st.compile_plan(model_config(n_layers=36, residual=dict(mode=mode, block_layers=block_layers)), layers)
 
     assert plan("baseline", 4) == ((2, 2, 0), (4, 4, 0))  # (layers, block_layers clamped, slot reads)
-    assert plan("delta", 4) == ((2, 2, 6), (4, 4, 20), (6, 4, 42))  # one-layer segments: L(L + 1)
-    assert plan("full_attnres", 6, (2, 3, 4)) == ((2, 2, 6), (3, 3, 12), (4, 4, 20))
+    assert plan("delta", 4) == ((2, 2, 8), (4, 4, 32), (6, 4, 72))  # one scan: every router reads 2L slots
+    assert plan("full_attnres", 6, (2, 3, 4)) == ((2, 2, 8), (3, 3, 18), (4, 4, 32))
     # block modes: blocks of min(block_layers, 2); s220m's own blocks of 2
-    assert plan("delta_block", 2) == ((2, 2, 4), (4, 2, 10), (6, 2, 18))
-    assert plan("delta_block", 6) == ((2, 2, 4), (4, 2, 10), (6, 2, 18))
-    assert plan("block_attnres", 1) == ((2, 1, 5), (4, 1, 14), (6, 1, 27))
-    assert plan("delta_block", 6, (4, 8)) == ((4, 4, 8), (8, 4, 20))
+    assert plan("delta_block", 2) == ((2, 2, 4), (4, 2, 12), (6, 2, 24))
+    assert plan("delta_block", 6) == ((2, 2, 4), (4, 2, 12), (6, 2, 24))
+    assert plan("block_attnres", 1) == ((2, 1, 6), (4, 1, 20), (6, 1, 42))
+    assert plan("delta_block", 6, (4, 8)) == ((4, 4, 8), (8, 4, 24))
     assert st.n_slots_of(model_config(n_layers=36, residual=dict(mode="delta_block", block_layers=6))) == 7
     assert st.n_slots_of(model_config(n_layers=12, residual=dict(mode="delta"))) == 25
     assert st.n_slots_of(model_config(n_layers=12, residual=dict(mode="baseline"))) == 0

@@ -74,10 +74,10 @@ MODEL_FIELDS = (
           "divisor of block_layers in block modes, of n_layers otherwise) are routed in one pass for all its "
           "sublayers (with impl pallas: the fused K-query kernel); 0 (default, the faster and smaller program "
           "under XLA, see README): one pass per sublayer"),
-    Field("residual.scan_segments", 8, int, POSITIVE, "the store-once layer scan (scanned layers, remat) runs as at "
-          "most this many scans of consecutive layers (block modes: whole blocks), each router reading only the "
-          "source slots its segment can have written: fewer reads and cotangent updates for a few more compiled "
-          "bodies; 1: one scan, every router reading all slots (masked)"),
+    Field("residual.scan_segments", 1, int, POSITIVE, "the store-once layer scan (scanned layers, remat) as at most "
+          "this many scans of consecutive layers (block modes: whole blocks), each router reading only the source "
+          "slots its segment can have written (README, Performance: fewer bytes, more compiled bodies); 1 "
+          "(default): one scan, every router reading all slots (masked)"),
     Field("residual.impl", "xla", str, ROUTING_IMPLS, "depth routing: xla, or the fused Pallas kernel (pallas: the "
           "target platform's; no routing weights; a null source only with two-phase routing)"),
     Field("residual.interpret", False, bool, None, "run the Pallas kernel in interpret mode (CPU tests)"),

@@ -13,10 +13,9 @@ sublayers in reverse, each differentiated alone as (params, h, final buffer) -> 
 a recomputation never writes, and so never copies, the buffer. Memory beyond
 baseline: the final buffer and one cotangent buffer.
 
-Both passes run as a few scans, one per segment of layers (`ResidualPlan.segments`): a
-router reads, and its VJP updates the cotangent of, only the slots its segment can have
-written (a static prefix of the buffer), not all S; one-layer segments (a block's first and
-last layers) run with their layer index known, so the plan's flags and slots fold away.
+Both passes run as one scan per segment of layers (`ResidualPlan.segments`; one segment by
+default): a router reads, and its VJP updates the cotangent of, only the slots its segment can
+have written (a static prefix of the buffer), not all S.
 
 Given the routers' queries (`depth_scan(queries_fn=)`), the scan routes two-phase over
 groups of layers (DESIGN.md section 5; `_grouped_forward`, `_grouped_backward`): the
@@ -263,7 +262,8 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
                 state, stats = layer_fn(params_l, state._replace(segment=seg), layer)
                 return state._replace(segment=None), (stats, h_l)
 
-            state, (stats_s, h_s) = _scan(body, state, (_segment_of(params_L, seg), _layers_of(seg)), seg, unroll)
+            state, (stats_s, h_s) = jax.lax.scan(body, state, (_segment_of(params_L, seg), _layers_of(seg)),
+                                                 unroll=unroll)
             stats.append(stats_s)
             h_L.append(h_s)
         stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
@@ -299,16 +299,13 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
     that opened the block. h_j comes from the saved layer input (attention) or as h_l + v_attn
     (MLP): v_attn is the final buffer's slot (per-sublayer modes) or recomputed (block modes)."""
     block = plan.mode in BLOCK_MODES
-    block_start = jnp.asarray(plan.block_start_layer)
 
-    def body(carry, xs, seg: Segment):
+    def body(carry, xs, seg: Segment, h_seg):
         d_h, d_sources, d_inv, d_block = carry
         params_l, layer, h_l = xs
         h_block = None
-        if block:  # a block's first layer: known in a segment of whole blocks or of one block's layers
-            start = row(np.repeat(plan.block_start_layer, 2), 2 * layer, seg)
-            h_block = _stream_at(h_L, segments, int(start)) if isinstance(start, np.integer) else \
-                h_L[[s.first for s in segments].index(seg.first)][block_start[layer] - seg.first]
+        if block:  # segments hold whole blocks: the block's first layer is in this one
+            h_block = h_seg[row(np.repeat(plan.block_start_layer, 2), 2 * layer, seg) - seg.first]
         n = seg.n_read
 
         def delta(p, h, sources, inv, h_block, k):
@@ -317,7 +314,7 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
         # the VJP is with respect to the slots the segment reads: its cotangent updates those only.
         # Sliced from a start that depends on the layer (0 always), so that the slice is read in
         # place by each layer rather than hoisted out of the loop as a copy per segment.
-        start = 0 if isinstance(layer, int) else jnp.minimum(layer, 0)
+        start = jnp.minimum(layer, 0)
         primals = (jax.lax.dynamic_slice_in_dim(final.sources_SBTD, start, n),
                    jax.lax.dynamic_slice_in_dim(final.inv_rms_SBT, start, n), h_block)
         if block:
@@ -356,31 +353,13 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
     d_block0 = d_final.h_block_BTD if block else None
     carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT, d_block0)
     d_params = []
-    segments = plan.segments
-    for seg, h_seg in reversed(list(zip(segments, h_L))):
+    for seg, h_seg in reversed(list(zip(plan.segments, h_L))):
         xs = (_segment_of(params_L, seg), _layers_of(seg), h_seg)
-        carry, d_params_s = _scan(functools.partial(body, seg=seg), carry, xs, seg, unroll, reverse=True)
+        carry, d_params_s = jax.lax.scan(functools.partial(body, seg=seg, h_seg=h_seg), carry, xs, reverse=True,
+                                         unroll=unroll)
         d_params.insert(0, d_params_s)
     d_params = jax.tree.map(lambda *a: jnp.concatenate(a), *d_params)
     return d_params, _initial_cotangent(plan, *carry, d_final.sources_SBTD.dtype)
-
-
-def _scan(body, carry, xs, seg: Segment, unroll: bool, reverse: bool = False):
-    """jax.lax.scan of `body` over a segment's layers (xs: their parameters, indices, ...); a
-    one-layer segment runs once with its layer index an int (known when tracing)."""
-    if seg.n_layers > 1:
-        return jax.lax.scan(body, carry, xs, reverse=reverse, unroll=unroll)
-    params_l, _, *rest = jax.tree.map(lambda a: a[0], xs)
-    carry, out = body(carry, (params_l, seg.first, *rest))
-    return carry, jax.tree.map(lambda a: a[None], out)
-
-
-def _stream_at(h_L, segments, layer: int):
-    """The saved input stream of `layer` (an int) from the per-segment streams."""
-    for seg, h_seg in zip(segments, h_L):
-        if seg.first <= layer < seg.first + seg.n_layers:
-            return h_seg[layer - seg.first]
-    raise IndexError(layer)
 
 
 def _segment_of(params_L, seg: Segment):

@@ -106,10 +106,8 @@ class ResidualPlan:
         """The store-once scan's segments: at most `scan_segments` runs of consecutive layers of
         near-equal length (block modes: whole blocks), each with the static number of slots its
         routers read (`Segment.n_read`). Per-sublayer modes: a router of the segment reads up to
-        2 x (its layers) - 1 slots beyond its own sources; block modes with one block a run:
-        exactly its own, and the run is split into its first layer, the middle ones and its last
-        layer, so that within each segment every table of the plan is the same at every layer
-        (`row`: known when tracing). A one-layer segment runs with its layer index known."""
+        2 x (its layers) - 1 slots beyond its own sources; block modes with one block a segment:
+        exactly its own."""
         if not self.uses_sources:
             return (Segment(0, self.n_layers, 1, None),)
         unit = 1  # block modes: a block (its layers write one slot and read the same ones)
@@ -123,13 +121,7 @@ class ResidualPlan:
             subs = slice(2 * first, 2 * (first + n))
             n_read = int(np.nonzero(self.read[subs].any(axis=0))[0].max()) + 1
             writes = np.unique(self.write[subs])
-            write = int(writes[0]) if len(writes) == 1 else None
-            if write is not None and n > 1:  # one block: its first and last layers alone (their sublayers
-                # open and close it), so that every segment's flags and slots are the same at each layer
-                runs = [(first, 1), (first + 1, n - 2), (first + n - 1, 1)]
-                out += [Segment(a, m, n_read, write) for a, m in runs if m > 0]
-            else:
-                out.append(Segment(first, n, n_read, write))
+            out.append(Segment(first, n, n_read, int(writes[0]) if len(writes) == 1 else None))
             first += n
         return tuple(out)
 

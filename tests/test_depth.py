@@ -108,7 +108,7 @@ def test_block_mode_backward_keeps_few_buffer_copies():
 @pytest.mark.parametrize("segments, want", [
     (8, [2, 4, 6, 8]),  # one-layer segments: layer l's routers read slots 0..2l + 1
     (2, [4, 8]),  # runs of 2 layers: slots up to the run's last sublayer's
-    (1, [8]),  # one scan: every slot of the buffer but the last write
+    (1, [9]),  # one scan: the whole buffer, masked
 ])
 def test_scanned_routers_read_their_segments_slots(segments, want, monkeypatch):
     """Forward and backward, a router of the store-once scan is handed the slots its segment can

@@ -71,7 +71,7 @@ def test_slot_reads_follow_the_segments():
     assert reads("baseline", 12) == 0
     assert reads("delta", 4) == 2 + 4 + 6 + 8  # one-layer segments: layer l reads slots 0..2l + 1
     assert reads("delta", 12) == 2 * (4 + 8 + 12 + 16) + 18 + 20 + 22 + 24  # 4 runs of 2 layers, 4 of 1
-    assert reads("delta", 12, segments=1) == 12 * 24  # one scan: every router reads 2L slots
+    assert reads("delta", 12, segments=1) == 12 * 25  # one scan: every router reads the whole buffer
     assert reads("delta_block", 12, 2) == 2 * (2 + 3 + 4 + 5 + 6 + 7)  # block n: e, n completed, partial
     assert reads("delta_block", 36, 6) == 6 * (2 + 3 + 4 + 5 + 6 + 7)
     assert reads("delta", 12, group_layers=2) == 12 * 25  # two-phase: every group reads the whole buffer
@@ -82,8 +82,8 @@ def test_compile_plan_keeps_small_blocks_and_shrinks_large_ones():
         return st.compile_plan(model_config(n_layers=36, residual=dict(mode=mode, block_layers=block_layers)), layers)
 
     assert plan("baseline", 4) == ((2, 2, 0), (4, 4, 0))  # (layers, block_layers clamped, slot reads)
-    assert plan("delta", 4) == ((2, 2, 8), (4, 4, 32), (6, 4, 72))  # one scan: every router reads 2L slots
-    assert plan("full_attnres", 6, (2, 3, 4)) == ((2, 2, 8), (3, 3, 18), (4, 4, 32))
+    assert plan("delta", 4) == ((2, 2, 10), (4, 4, 36), (6, 4, 78))  # one scan: every router reads the 2L + 1
+    assert plan("full_attnres", 6, (2, 3, 4)) == ((2, 2, 10), (3, 3, 21), (4, 4, 36))
     # block modes: blocks of min(block_layers, 2); s220m's own blocks of 2
     assert plan("delta_block", 2) == ((2, 2, 4), (4, 2, 12), (6, 2, 24))
     assert plan("delta_block", 6) == ((2, 2, 4), (4, 2, 12), (6, 2, 24))

@@ -105,7 +105,7 @@ class ResidualPlan:
     def segments(self) -> tuple[Segment, ...]:
         """The store-once scan's segments: at most `scan_segments` runs of consecutive layers of
         near-equal length (block modes: whole blocks), each with the static number of slots its
-        routers read (`Segment.n_read`). Per-sublayer modes: a router of the segment reads up to
+        routers read (`Segment.n_read`; one segment: the whole buffer). Per-sublayer modes: a router of the segment reads up to
         2 x (its layers) - 1 slots beyond its own sources; block modes with one block a segment:
         exactly its own."""
         if not self.uses_sources:
@@ -119,7 +119,7 @@ class ResidualPlan:
         for i in range(k):  # near-equal runs of whole units; a short last block stays last
             n = min((units // k + (i < units % k)) * unit, self.n_layers - first)
             subs = slice(2 * first, 2 * (first + n))
-            n_read = int(np.nonzero(self.read[subs].any(axis=0))[0].max()) + 1
+            n_read = int(np.nonzero(self.read[subs].any(axis=0))[0].max()) + 1 if k > 1 else self.n_slots
             writes = np.unique(self.write[subs])
             out.append(Segment(first, n, n_read, int(writes[0]) if len(writes) == 1 else None))
             first += n

@@ -175,13 +175,11 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
     if isinstance(j, int):  # unrolled (listed or not): only the slots up to the last one j reads
         n = int(plan.read[j].nonzero()[0].max()) + 1
         x_BTD, weights_SBT = router(sources[:n], inv[:n], plan.read[j][:n], residual)
-        if weights_SBT is not None:
-            weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     else:
-        n = sources.shape[0]
+        n = sources.shape[0]  # within a segment, its first n_read slots
         x_BTD, weights_SBT = router(sources, inv, row(plan.read, j, state.segment)[:n], residual)
-        if weights_SBT is not None and n < plan.n_slots:
-            weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
+    if weights_SBT is not None and n < plan.n_slots:  # statistics cover every slot
+        weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     if residual is not None:  # single source: no routing, x = h
         x_BTD = _select(routed, x_BTD, state.h_BTD)
     return x_BTD, weights_SBT, routed

@@ -155,7 +155,9 @@ def _subjaxprs(eqn):
 
 def jaxpr_flops(jaxpr) -> float:
     """Matrix-product FLOPs of a jaxpr (2 * output size * contracted size per dot_general),
-    a scan's body counted `length` times, a cond's costliest branch, a while body once."""
+    a scan's body counted `length` times, a cond's costliest branch, a while body once, a
+    Pallas kernel's body once per grid step, a `shard_map` body (one device's shapes) once per
+    device of its manual mesh axes."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -172,6 +174,11 @@ def jaxpr_flops(jaxpr) -> float:
             total += max(inner)
         elif name == "scan":
             total += eqn.params["length"] * sum(inner)
+        elif name == "pallas_call":
+            total += math.prod(eqn.params["grid_mapping"].grid) * sum(inner)
+        elif name == "shard_map":
+            mesh = eqn.params["mesh"]
+            total += math.prod(mesh.shape[a] for a in eqn.params["newly_manual_axes"]) * sum(inner)
         else:
             total += sum(inner)
     return total

@@ -36,6 +36,7 @@ from deltares.data import paths
 from deltares.data.documents import BUILTIN, DataError
 from deltares.data.runs import RunData, open_run_data, unigram_perplexity
 from deltares.interop import hf
+from deltares.nn.attention import check_attention
 from deltares.training.configs import validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.evaluation import evaluate
@@ -272,6 +273,8 @@ def _mesh(cfg):
     try:
         mesh = make_mesh(cfg.mesh)
         check_batch_split(cfg.train, mesh)
+        check_attention(cfg.model.attention, mesh.devices.flat[0].platform, cfg.data.seq_len,
+                        cfg.model.residual.interpret)
     except ValueError as err:
         raise TrainError(str(err)) from None
     return mesh

@@ -181,6 +181,19 @@ def main():
     losses, state, _ = sharded(cfg, MESHES["data2_fsdp2_tensor2"])
     out["two_phase_kernel"] = {"losses": losses, "max_param_diff": max_param_diff(state, ref_states["delta_block"])}
 
+    # splash attention (the TPU kernel, interpret mode) inside shard_map: sequences over data and fsdp, key/value
+    # heads with their query heads over tensor; against the single-device step with XLA's attention
+    cfg = debug_config("delta_block")
+    cfg.data.seq_len = 128  # a multiple of the kernel's 128-token block
+    ref_losses, ref_state = single_device(cfg)
+    cfg.model.attention, cfg.model.residual.interpret = "splash", True
+    losses, state, training = sharded(cfg, MESHES["data2_fsdp2_tensor2"])
+    with jax.set_mesh(training.mesh), nn.logical_axis_rules(LOGICAL_RULES):
+        text = str(jax.make_jaxpr(training.step.fn)(training.init(cfg.seed), shard_batch(batches(cfg)[0],
+                                                                                      training.batch_sharding)))
+    out["splash"] = {"losses": losses, "single": ref_losses, "max_param_diff": max_param_diff(state, ref_state),
+                     "kernel_in_shard_map": "pallas_call" in text and "shard_map" in text}
+
     out["tensor_split_routing"] = tensor_split_routing()
 
     # A checkpoint saved on one mesh restores on another, and training continues identically.

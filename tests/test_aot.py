@@ -194,6 +194,31 @@ def test_jaxpr_flops_counts_scans_and_grads():
     assert aot.jaxpr_flops(jax.make_jaxpr(jax.value_and_grad(remat))(w, a).jaxpr) == 4 * forward
 
 
+def test_jaxpr_flops_counts_kernel_grids_and_shard_map_devices():
+    """A Pallas kernel's body runs once per grid step, a shard_map body once per device: the same
+    product as one plain matmul of the whole arrays."""
+    from jax.experimental import pallas as pl
+
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    whole = 2 * 16 * 16 * 32  # x @ x.T
+
+    def block(x_ref, o_ref):
+        o_ref[...] = x_ref[...] @ x_ref[...].T
+
+    def tiled(x):  # 2 row blocks of 8, each against itself: half the whole product
+        return pl.pallas_call(block, out_shape=jax.ShapeDtypeStruct((16, 8), jnp.float32), grid=(2,),
+                              in_specs=[pl.BlockSpec((8, 32), lambda i: (i, 0))],
+                              out_specs=pl.BlockSpec((8, 8), lambda i: (i, 0)), interpret=True)(x)
+
+    assert aot.jaxpr_flops(jax.make_jaxpr(tiled)(x).jaxpr) == whole // 2
+    mesh = jax.sharding.AbstractMesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    per_device = jax.shard_map(lambda x: x @ x.T, mesh=mesh, in_specs=jax.P(None, "d"), out_specs=jax.P(),
+                               check_vma=False)
+    # each device: a [16, 8] slice of x against itself, the partial sums of the whole product
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert aot.jaxpr_flops(jax.make_jaxpr(per_device)(x).jaxpr) == whole
+
+
 @needs_libtpu
 def test_fused_routing_kernel_compiles_into_the_train_step():
     """impl=pallas: the Mosaic depth-routing kernel, inside shard_map over the fsdp axis, is part of

@@ -67,6 +67,13 @@ def test_two_phase_kernel_under_a_mesh_equals_single_device(results):
     assert got["max_param_diff"] < 1e-5
 
 
+def test_splash_attention_under_a_mesh_equals_single_device(results):
+    got = results["splash"]
+    assert got["kernel_in_shard_map"]
+    np.testing.assert_allclose(got["losses"], got["single"], rtol=1e-5)
+    assert got["max_param_diff"] < 1e-5
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_routing_splits_the_model_dimension_over_tensor(results, mode):
     """With tensor > 1 every routed sublayer (2 per layer, plus the Kimi modes' output routing)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from deltares.nn.attention import ATTENTION_IMPLS
+
 MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")
 BLOCK_MODES = ("block_attnres", "delta_block")
 REPLACEMENT_MODES = ("full_attnres", "block_attnres")
@@ -63,6 +65,9 @@ MODEL_FIELDS = (
           "TPU compiler's step-time estimate counts a loop body once, so `deltares.aot` estimates with it)"),
     Field("remat", "none", str, tuple(REMAT_POLICIES), "per-layer rematerialisation: none, full (save nothing), "
           "dots (save matmuls without batch dimensions)"),
+    Field("attention", "xla", str, ATTENTION_IMPLS, "causal self-attention: xla (every platform), cudnn (cuDNN's "
+          "fused attention, NVIDIA GPUs), splash (the TPU splash-attention Pallas kernel; sequence length a multiple "
+          "of 128, and of 512 above it); the same math (deltares.nn.attention)"),
     Field("loss_chunk", 512, int, NON_NEGATIVE, "tokens per chunk of the training and evaluation loss: each "
           "chunk's logits are computed (and recomputed for the gradient) on their own, never all [B, T, V]; "
           "0 or at least seq_len: the plain loss"),
@@ -80,7 +85,8 @@ MODEL_FIELDS = (
           "(default): one scan, every router reading all slots (masked)"),
     Field("residual.impl", "xla", str, ROUTING_IMPLS, "depth routing: xla, or the fused Pallas kernel (pallas: the "
           "target platform's; no routing weights; a null source only with two-phase routing)"),
-    Field("residual.interpret", False, bool, None, "run the Pallas kernel in interpret mode (CPU tests)"),
+    Field("residual.interpret", False, bool, None, "run the Pallas kernels (depth routing, splash attention) in "
+          "interpret mode (CPU tests)"),
     Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "
           "additive modes)"),
     Field("residual.null_source", False, bool, None, "a learned null source in every routing (additive modes)"),

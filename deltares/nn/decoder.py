@@ -85,7 +85,8 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         plan = plan_for(cfg)
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-        attn = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, dtype, param_dtype, name="attn")
+        attn = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, dtype, param_dtype, cfg.attention,
+                         cfg.residual.interpret, name="attn")
         mlp = MLP(cfg.d_ff, dtype, param_dtype, name="mlp")
         new_cache = []
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from deltares.nn import routing
+from deltares.nn.attention import causal_attention
 
 Dtype = Any
 dense_init = nn.initializers.normal(stddev=0.02)
@@ -108,6 +109,8 @@ class Attention(nn.Module):
     norm_eps: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    impl: str = "xla"  # deltares.nn.attention.ATTENTION_IMPLS (generation with a cache: always xla)
+    interpret: bool = False  # impl "splash" in the Pallas interpreter (CPU tests)
 
     @nn.compact
     def __call__(self, x_BTD, rope: Rope, cache=None, pos=None):
@@ -128,13 +131,9 @@ class Attention(nn.Module):
         q_BTHE = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTHE), rope.cos, rope.sin)
         k_BTKE = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKE), rope.cos, rope.sin)
         q_BTHE = nn.with_logical_constraint(q_BTHE, ("batch", "length", "heads", "head_dim"))
-        if cache is None and rope.segments is not None:
-            T = x_BTD.shape[1]
-            same_BTT = rope.segments[:, :, None] == rope.segments[:, None, :]
-            mask_B1TT = (same_BTT & jnp.tril(jnp.ones((T, T), bool)))[:, None]
-            out_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask_B1TT)
-        elif cache is None:
-            out_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True)
+        if cache is None:
+            out_BTHE = causal_attention(q_BTHE, k_BTKE, v_BTKE, rope.segments, impl=self.impl,
+                                        interpret=self.interpret)
         else:
             k_BCKE, v_BCKE = (jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (0, pos, 0, 0))
                               for c, x in zip(cache, (k_BTKE, v_BTKE)))

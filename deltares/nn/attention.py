@@ -1,0 +1,125 @@
+"""Causal self-attention of the training step, by one of three implementations of the same math
+(`config.model.attention`):
+
+- "xla": `jax.nn.dot_product_attention` lowered by XLA (every platform; the reference);
+- "cudnn": the same call with cuDNN's fused flash attention (NVIDIA GPUs);
+- "splash": the TPU splash-attention Pallas kernel of `jax.experimental.pallas.ops.tpu`, one
+  multi-query kernel per key/value head (grouped-query attention without repeating K and V),
+  inside `jax.shard_map` under a mesh (sequences and key/value heads split as the logical rules
+  say, tokens whole). `interpret=True` runs it with the Pallas interpreter (CPU tests).
+
+Generation (a key/value cache) always uses "xla".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+ATTENTION_IMPLS = ("xla", "cudnn", "splash")
+SPLASH_BLOCK = 512  # tokens per splash block (queries and keys); smaller sequences use one block
+SPLASH_MIN_BLOCK = 128  # a splash block is a multiple of the TPU's 128 lanes
+
+Q_AXES = ("batch", "length", "heads", "head_dim")
+KV_AXES = ("batch", "length", "kv", "head_dim")
+
+
+def causal_attention(q_BTHE, k_BTKE, v_BTKE, segments_BT=None, *, impl: str = "xla", interpret: bool = False):
+    """softmax(q k^T / sqrt(E) + causal mask) v for grouped-query heads ([B, T, H, E] queries, [B, T,
+    K, E] keys and values, K dividing H); with `segments_BT` a token sees only earlier tokens of
+    its own document (equal ids)."""
+    if impl == "splash":
+        return _splash(q_BTHE, k_BTKE, v_BTKE, segments_BT, interpret)
+    if impl not in ("xla", "cudnn"):
+        raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    mask_B1TT = None if segments_BT is None else (segments_BT[:, :, None] == segments_BT[:, None, :])[:, None]
+    try:
+        return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask_B1TT, is_causal=True,
+                                            implementation=impl)
+    except RuntimeError as e:  # jax: "cuDNN is not detected." where no GPU with cuDNN is at hand
+        if impl != "cudnn":
+            raise
+        raise ValueError(f"config.model.attention 'cudnn' needs an NVIDIA GPU with cuDNN ({e}); use 'xla'") from None
+
+
+def check_attention(impl: str, platform: str, seq_len: int, interpret: bool = False) -> None:
+    """ValueError when attention `impl` cannot run on devices of `platform` ("cpu", "gpu"/"cuda", "tpu")
+    or over `seq_len` tokens."""
+    if impl == "cudnn" and platform not in ("gpu", "cuda"):
+        raise ValueError(f"config.model.attention 'cudnn' runs on NVIDIA GPUs, these devices are {platform}; use 'xla'")
+    if impl == "splash":
+        splash_block(seq_len)
+        if platform != "tpu" and not interpret:
+            raise ValueError(f"config.model.attention 'splash' runs on TPUs, these devices are {platform}; use 'xla' "
+                             "(or config.model.residual.interpret=True: the Pallas interpreter, slow)")
+
+
+def splash_block(T: int) -> int:
+    """The splash block for `T` tokens; ValueError when no block fits."""
+    block = min(SPLASH_BLOCK, T)
+    if T % block or block % SPLASH_MIN_BLOCK:
+        raise ValueError(f"attention 'splash' needs a sequence length that is a multiple of {SPLASH_MIN_BLOCK} "
+                         f"(and of {SPLASH_BLOCK} above it), got {T}; use attention 'xla'")
+    return block
+
+
+def _mqa_kernel(T: int, Q: int, interpret: bool):
+    """The splash kernel of Q query heads sharing one key/value head over T tokens, causal. Built per
+    trace (not cached): it holds its mask tables as arrays of the trace that made it."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel  # noqa: PLC0415
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # noqa: PLC0415
+
+    b = splash_block(T)
+    sizes = kernel.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                              block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    mask = masks.MultiHeadMask([masks.CausalMask((T, T)) for _ in range(Q)])
+    return kernel.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+def _splash_local(q_BTHE, k_BTKE, v_BTKE, segments_BT, interpret: bool):
+    """Splash attention on whole (one device's) arrays: a multi-query kernel per (sequence, kv head)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel  # noqa: PLC0415
+
+    B, T, H, E = q_BTHE.shape
+    K = k_BTKE.shape[2]
+    Q = H // K
+    mqa = _mqa_kernel(T, Q, interpret)
+    q_BKQTE = (q_BTHE * E ** -0.5).astype(q_BTHE.dtype).reshape(B, T, K, Q, E).transpose(0, 2, 3, 1, 4)
+    k_BKTE, v_BKTE = (x.transpose(0, 2, 1, 3) for x in (k_BTKE, v_BTKE))
+    if segments_BT is None:
+        per_head = jax.vmap(mqa, in_axes=(0, 0, 0))
+        out_BKQTE = jax.vmap(per_head)(q_BKQTE, k_BKTE, v_BKTE)
+    else:
+        def one(q, k, v, seg):
+            ids = kernel.SegmentIds(q=seg, kv=seg)
+            return jax.vmap(lambda q, k, v: mqa(q, k, v, segment_ids=ids))(q, k, v)
+
+        out_BKQTE = jax.vmap(one)(q_BKQTE, k_BKTE, v_BKTE, segments_BT.astype(jnp.int32))
+    return out_BKQTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
+
+
+def _splash(q_BTHE, k_BTKE, v_BTKE, segments_BT, interpret: bool):
+    """`_splash_local` inside `jax.shard_map` under a mesh of several devices: sequences split over the
+    batch's mesh axes and key/value heads (with their query heads) over the heads' axes where both
+    divide evenly; tokens and head width whole."""
+    from deltares.nn.layers import shard_spec  # noqa: PLC0415 - layers imports this module
+
+    splash_block(q_BTHE.shape[1])
+    local = functools.partial(_splash_local, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q_BTHE, k_BTKE, v_BTKE, segments_BT)
+    P = jax.sharding.PartitionSpec
+    q_spec, kv_spec = shard_spec(mesh, Q_AXES, q_BTHE.shape), shard_spec(mesh, KV_AXES, k_BTKE.shape)
+    # query heads split only with their key/value heads (both divisible), so that a device holds whole groups
+    heads = q_spec[2] if q_spec[2] == kv_spec[2] else None
+    batch = q_spec[0]
+    q_spec, kv_spec = P(batch, None, heads, None), P(batch, None, heads, None)
+    args, specs = (q_BTHE, k_BTKE, v_BTKE), (q_spec, kv_spec, kv_spec)
+    if segments_BT is not None:
+        args, specs = args + (segments_BT,), specs + (P(batch, None),)
+    fn = (lambda q, k, v, s=None: local(q, k, v, s))
+    # check_vma off: the kernel's outputs declare no varying mesh axes (jax 0.10's splash), which the check rejects
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)

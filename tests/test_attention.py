@@ -1,0 +1,118 @@
+"""The attention implementations (`config.model.attention`, deltares.nn.attention) compute causal
+grouped-query attention exactly as a NumPy reference; splash (the TPU Pallas kernel) runs in the
+Pallas interpreter here, and its gradients match XLA's. cuDNN needs a GPU: here only its refusal."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deltares.nn.attention import causal_attention, check_attention, splash_block
+from deltares.nn.config import model_config
+from deltares.nn.model import Transformer
+
+B, T, H, K, E = 2, 256, 4, 2, 16
+
+
+def numpy_attention(q, k, v, segments=None):
+    """Causal grouped-query attention in float64: query head h reads key/value head h // (H / K)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, t, h, e = q.shape
+    kv_of = np.arange(h) // (h // k.shape[2])
+    logits = np.einsum("bqhe,bkhe->bhqk", q, k[:, :, kv_of]) / np.sqrt(e)
+    allowed = np.tril(np.ones((t, t), bool))[None]
+    if segments is not None:
+        allowed = allowed & (segments[:, :, None] == segments[:, None, :])
+    logits = np.where(allowed[:, None], logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhe->bqhe", weights, v[:, :, kv_of])
+
+
+def inputs(seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (B, T, H, E)), jax.random.normal(ks[1], (B, T, K, E)),
+            jax.random.normal(ks[2], (B, T, K, E)))
+
+
+def documents():
+    """Two documents in the first sequence (split at 100), three in the second."""
+    seg = np.zeros((B, T), np.int32)
+    seg[0, 100:] = 1
+    seg[1, 50:], seg[1, 180:] = 1, 2
+    return seg
+
+
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_attention_equals_numpy(impl, with_documents):
+    q, k, v = inputs()
+    seg = documents() if with_documents else None
+    got = causal_attention(q, k, v, None if seg is None else jnp.asarray(seg), impl=impl, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, seg), atol=2e-5)
+
+
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_splash_gradients_equal_xla(with_documents):
+    q, k, v = inputs(1)
+    seg = jnp.asarray(documents()) if with_documents else None
+    probe = jax.random.normal(jax.random.key(2), (B, T, H, E))
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(causal_attention(q, k, v, seg, impl=impl, interpret=True) * probe)
+
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        assert float(jnp.max(jnp.abs(w))) > 1e-2  # a real gradient
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=5e-5)
+
+
+def test_model_with_splash_attention_equals_xla():
+    """A 2-layer delta model: the loss and every parameter's gradient agree between attention impls."""
+    tokens = jax.random.randint(jax.random.key(3), (2, 129), 0, 97)
+
+    def grads(attention):
+        cfg = model_config(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
+                           dtype="float32", loss_chunk=0, attention=attention,
+                           residual=dict(mode="delta", block_layers=1, interpret=True))
+        model = Transformer(cfg)
+        params = model.init(jax.random.key(0), tokens[:, :-1])
+
+        def loss(p):
+            logits = model.apply(p, tokens[:, :-1])
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+        kernels = str(jax.make_jaxpr(loss)(params)).count("pallas_call")
+        return jax.value_and_grad(loss)(params), kernels
+
+    ((want_loss, want), xla_kernels), ((got_loss, got), splash_kernels) = grads("xla"), grads("splash")
+    assert xla_kernels == 0 and splash_kernels > 0  # the splash kernel is in the program
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-6)
+
+
+def test_splash_block_needs_a_multiple_of_128():
+    assert splash_block(128) == 128 and splash_block(2048) == 512
+    for bad in (100, 640 + 128):
+        with pytest.raises(ValueError, match="multiple of 128"):
+            splash_block(bad)
+
+
+@pytest.mark.parametrize("impl,platform,message", [
+    ("cudnn", "cpu", "runs on NVIDIA GPUs"), ("cudnn", "tpu", "runs on NVIDIA GPUs"),
+    ("splash", "cpu", "runs on TPUs"), ("splash", "gpu", "runs on TPUs"),
+])
+def test_attention_refuses_other_platforms(impl, platform, message):
+    with pytest.raises(ValueError, match=message):
+        check_attention(impl, platform, 2048)
+    check_attention("xla", platform, 100)  # xla runs everywhere, any length
+
+
+def test_cudnn_without_a_gpu_is_one_clear_error():
+    q, k, v = inputs()
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present: cuDNN may run")
+    with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU"):
+        causal_attention(q, k, v, impl="cudnn")

@@ -390,6 +390,78 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- the fastest setting that fits
+
+SEARCH_REMAT = ("none", "dots", "full")  # least recomputation first
+
+
+def search_candidates(cfg) -> list[tuple[str, int]]:
+    """(remat, loss_chunk) settings to try, in the order assumed fastest first: less recomputation,
+    then the plain loss before the chunked one (the experiment's chunk, else 512 tokens)."""
+    chunk = cfg.model.loss_chunk if 0 < cfg.model.loss_chunk < cfg.data.seq_len else 512
+    chunks = (0, chunk) if chunk < cfg.data.seq_len else (0,)
+    return [(remat, c) for remat in SEARCH_REMAT for c in chunks]
+
+
+def fastest_fitting(trials: list[dict]) -> dict | None:
+    """The trial to run: the one of least estimated step time among those that fit, or (no estimates)
+    the first that fits in `search_candidates` order."""
+    fitting = [t for t in trials if t["fits"]]
+    if not fitting:
+        return None
+    if all("seconds" in t for t in fitting):
+        return min(fitting, key=lambda t: t["seconds"])
+    return fitting[0]
+
+
+def search(cfg, topology: str | None, mesh_override: str | None = None, config_name: str = "",
+           gpu: str | None = None, estimate: bool = False) -> dict:
+    """Compiles the train step at every `search_candidates` setting and reports which fit (and,
+    with `estimate`, the estimated step time of those that fit) and the fastest that fits."""
+    trials = []
+    for remat, chunk in search_candidates(cfg):
+        trial_cfg = cfg.copy_and_resolve_references()
+        trial_cfg.model.remat, trial_cfg.model.loss_chunk = remat, chunk
+        say(f"compiling with remat {remat}, loss_chunk {chunk} ...")
+        r = analyze(trial_cfg, topology, mesh_override, config_name, gpu)
+        trial = dict(remat=remat, loss_chunk=chunk, fits=r["fits"], per_device_bytes=r["per_device_bytes"])
+        if estimate and r["fits"]:
+            from deltares.training.step_time import estimate_step_time
+
+            say(f"estimating the step time with remat {remat}, loss_chunk {chunk} ...")
+            e = estimate_step_time(trial_cfg, topology, mesh_override)
+            trial.update(seconds=e["seconds"], bytes_accessed=e["bytes_accessed"])
+        trials.append(trial)
+    best = fastest_fitting(trials)
+    return dict(config=config_name, scale=cfg.scale, mode=cfg.model.residual.mode, topology=topology, gpu=gpu,
+                hbm_bytes=r["hbm_bytes"], trials=trials, fastest=best,
+                ranked_by="estimate" if best is not None and "seconds" in best else "order")
+
+
+def format_search(s: dict) -> str:
+    where = f"gpu {s['gpu']}" if s.get("gpu") else f"topology {s['topology']}"
+    lines = [f"{s['config'] or s['scale']} on {where} ({_gib(s['hbm_bytes'])} HBM per device):",
+             f"  {'remat':<6} {'loss_chunk':>10} {'per device':>12}  fits  {'est. step':>10}"]
+    for t in s["trials"]:
+        est = _seconds(t["seconds"]) if "seconds" in t else "-"
+        lines.append(f"  {t['remat']:<6} {t['loss_chunk']:>10} {_gib(t['per_device_bytes']):>12}  "
+                     f"{'yes ' if t['fits'] else 'NO  '}  {est:>10}")
+    best = s["fastest"]
+    if best is None:
+        lines.append("nothing fits: add devices or --config.train.micro_batches")
+    else:
+        how = ("the least estimated step time (the TPU compiler's cost model, not a measurement)"
+               if s["ranked_by"] == "estimate" else "the first that fits, in the order above (less recomputation, "
+               "then the plain loss; add --estimate to rank by the cost model)")
+        lines.append(f"fastest that fits: --config.model.remat={best['remat']} --config.model.loss_chunk="
+                     f"{best['loss_chunk']} ({how})")
+    return "\n".join(lines)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def estimated_mfu(report: dict) -> float | None:
     """Model FLOPs utilisation at the estimated step time; None for a device kind of unknown peak."""
     from deltares.training.metrics import peak_flops_of
@@ -420,6 +492,15 @@ def main(argv):
     if _ESTIMATE.value and _GPU.value:
         print("error: --estimate is the TPU compiler's cost model: pass --topology, not --gpu", file=sys.stderr)
         sys.exit(2)
+    if _SEARCH.value:
+        try:
+            found = search(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name, gpu=_GPU.value,
+                           estimate=_ESTIMATE.value)
+        except AotError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        print(json.dumps(found) if _JSON.value else format_search(found), flush=True)
+        sys.exit(0 if found["fastest"] else 1)
     try:
         report = analyze(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name, gpu=_GPU.value)
         if _ESTIMATE.value:
@@ -437,7 +518,7 @@ def main(argv):
 
 def cli() -> None:
     """The command line (`python -m deltares.aot`, `deltares-aot`); flags only here, so modules import side by side."""
-    global _CONFIG, _TOPOLOGY, _GPU, _MESH, _JSON, _ESTIMATE
+    global _CONFIG, _TOPOLOGY, _GPU, _MESH, _JSON, _ESTIMATE, _SEARCH
     _CONFIG = config_flags.DEFINE_config_file(
         "config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block (or a shipped one by name: s7b6:delta_block)."
     )
@@ -450,6 +531,10 @@ def cli() -> None:
     _ESTIMATE = flags.DEFINE_bool(
         "estimate", False, "Also the TPU compiler's estimate of the step time (deltares.training.step_time: unrolled "
         "compiles at a few depths, extrapolated; a cost model, not a measurement).")
+    _SEARCH = flags.DEFINE_bool(
+        "search", False, "Compile at every remat policy (none, dots, full) with the plain and the chunked loss and "
+        "report which fit and the fastest that fits (by the estimate with --estimate, else by the order of less "
+        "recomputation, then the plain loss).")
     if "JAX_PLATFORMS" not in os.environ:  # never touch TPU hardware: the step runs on compile-only devices
         jax.config.update("jax_platforms", "cpu")
     entry.run(main, quiet_libtpu=False)  # libtpu is set up as a compiler (topology_devices)

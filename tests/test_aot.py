@@ -91,6 +91,43 @@ def test_estimated_mfu():
     assert estimated_mfu({**report, "device_kind": "TPU v9"}) is None
 
 
+@needs_libtpu
+def test_search_compiles_every_remat_policy_and_loss():
+    proc = run_aot("--config", "experiments/debug.py:delta", "--topology", "v5e:2x2", "--search", "--json",
+                   "--config.model.loss_chunk=8")
+    assert proc.returncode == 0, proc.stderr
+    s = report_of(proc)
+    settings = [(t["remat"], t["loss_chunk"]) for t in s["trials"]]
+    assert settings == [("none", 0), ("none", 8), ("dots", 0), ("dots", 8), ("full", 0), ("full", 8)]
+    assert all(t["fits"] and t["per_device_bytes"] > 0 for t in s["trials"])
+    by = {(t["remat"], t["loss_chunk"]): t["per_device_bytes"] for t in s["trials"]}
+    # each setting was compiled as set: rematerialisation and the loss change the program's memory (at this
+    # toy size remat costs more than the few activations it frees)
+    assert by[("full", 0)] != by[("none", 0)] and by[("none", 8)] != by[("none", 0)]
+    assert (s["fastest"]["remat"], s["fastest"]["loss_chunk"], s["ranked_by"]) == ("none", 0, "order")
+
+
+def test_fastest_fitting_ranks_by_estimate_else_order():
+    trials = [dict(remat="none", loss_chunk=0, fits=False), dict(remat="none", loss_chunk=512, fits=True),
+              dict(remat="dots", loss_chunk=0, fits=True), dict(remat="full", loss_chunk=0, fits=True)]
+    assert aot.fastest_fitting(trials) is trials[1]  # no estimates: the first that fits
+    for t, seconds in zip(trials[1:], (0.30, 0.25, 0.28)):
+        t["seconds"] = seconds
+    assert aot.fastest_fitting(trials) is trials[2]  # the least estimated time among those that fit
+    assert aot.fastest_fitting([dict(trials[0])]) is None
+
+
+def test_search_candidates_follow_the_sequence_length():
+    from deltares.nn.config import model_config
+
+    cfg = __import__("ml_collections").ConfigDict(dict(model=model_config(loss_chunk=256), data=dict(seq_len=2048)))
+    assert aot.search_candidates(cfg)[:2] == [("none", 0), ("none", 256)]
+    cfg.model.loss_chunk = 0  # the plain loss configured: the chunked candidate is 512 tokens
+    assert aot.search_candidates(cfg)[1] == ("none", 512)
+    cfg.data.seq_len = 512  # no chunk below the sequence: only the plain loss
+    assert aot.search_candidates(cfg) == [("none", 0), ("dots", 0), ("full", 0)]
+
+
 def test_estimate_is_for_tpu_topologies_only():
     proc = run_aot("--config", "experiments/debug.py", "--gpu", "h100", "--estimate")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -397,10 +397,13 @@ SEARCH_REMAT = ("none", "dots", "full")  # least recomputation first
 
 def search_candidates(cfg) -> list[tuple[str, int]]:
     """(remat, loss_chunk) settings to try, in the order assumed fastest first: less recomputation,
-    then the plain loss before the chunked one (the experiment's chunk, else 512 tokens)."""
+    then the plain loss before the chunked one (the experiment's chunk, else 512 tokens). A routed
+    mode skips "dots": under any remat its layers run the store-once pass, whose backward recomputes
+    each sublayer whatever the policy (the same program as "full")."""
     chunk = cfg.model.loss_chunk if 0 < cfg.model.loss_chunk < cfg.data.seq_len else 512
     chunks = (0, chunk) if chunk < cfg.data.seq_len else (0,)
-    return [(remat, c) for remat in SEARCH_REMAT for c in chunks]
+    policies = SEARCH_REMAT if cfg.model.residual.mode == "baseline" else ("none", "full")
+    return [(remat, c) for remat in policies for c in chunks]
 
 
 def fastest_fitting(trials: list[dict]) -> dict | None:

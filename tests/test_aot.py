@@ -93,7 +93,7 @@ def test_estimated_mfu():
 
 @needs_libtpu
 def test_search_compiles_every_remat_policy_and_loss():
-    proc = run_aot("--config", "experiments/debug.py:delta", "--topology", "v5e:2x2", "--search", "--json",
+    proc = run_aot("--config", "experiments/debug.py:baseline", "--topology", "v5e:2x2", "--search", "--json",
                    "--config.model.loss_chunk=8")
     assert proc.returncode == 0, proc.stderr
     s = report_of(proc)
@@ -120,12 +120,15 @@ def test_fastest_fitting_ranks_by_estimate_else_order():
 def test_search_candidates_follow_the_sequence_length():
     from deltares.nn.config import model_config
 
-    cfg = __import__("ml_collections").ConfigDict(dict(model=model_config(loss_chunk=256), data=dict(seq_len=2048)))
+    cfg = __import__("ml_collections").ConfigDict(dict(model=model_config(loss_chunk=256, residual=dict(
+        mode="baseline")), data=dict(seq_len=2048)))
     assert aot.search_candidates(cfg)[:2] == [("none", 0), ("none", 256)]
     cfg.model.loss_chunk = 0  # the plain loss configured: the chunked candidate is 512 tokens
     assert aot.search_candidates(cfg)[1] == ("none", 512)
     cfg.data.seq_len = 512  # no chunk below the sequence: only the plain loss
     assert aot.search_candidates(cfg) == [("none", 0), ("dots", 0), ("full", 0)]
+    cfg.model.residual.mode = "delta"  # store-once under any remat: "dots" is "full"
+    assert aot.search_candidates(cfg) == [("none", 0), ("full", 0)]
 
 
 def test_estimate_is_for_tpu_topologies_only():

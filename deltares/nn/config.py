@@ -26,7 +26,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # routed modes: as "full" (store-once pass)
 }
 # config.model.residual.impl, also kernels_pallas.depth_route's `implementation`: "pallas" is the
 # kernel of the target platform (falling back to xla where none runs), the others force one.
@@ -64,7 +64,8 @@ MODEL_FIELDS = (
     Field("scan_unroll", False, bool, None, "unroll every layer scan in the compiled program (same math; the "
           "TPU compiler's step-time estimate counts a loop body once, so `deltares.aot` estimates with it)"),
     Field("remat", "none", str, tuple(REMAT_POLICIES), "per-layer rematerialisation: none, full (save nothing), "
-          "dots (save matmuls without batch dimensions)"),
+          "dots (save matmuls without batch dimensions; in the routed modes the same as full: under any policy their "
+          "store-once pass recomputes each sublayer in the backward)"),
     Field("attention", "xla", str, ATTENTION_IMPLS, "causal self-attention: xla (every platform), cudnn (cuDNN's "
           "fused attention, NVIDIA GPUs), splash (the TPU splash-attention Pallas kernel; sequence length a multiple "
           "of 128, and of 512 above it); the same math (deltares.nn.attention)"),

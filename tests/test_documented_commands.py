@@ -258,15 +258,15 @@ class Rule:
 
 RULES = (
     Rule("pytest", r"^python -m pytest\b", "not_run", reason="the test suite itself: CI runs it"),
-    Rule("reproduction script lines", ".", "in_script", source=r"^docs/reproduction/run\.sh$",
-         reason="a line of docs/reproduction/run.sh, which runs as a whole below"),
-    Rule("reproduction script", r"^bash docs/reproduction/run\.sh all runs/study$", "run",
+    Rule("reproduction script lines", ".", "in_script", source=r"^docs/results/reproduction/run\.sh$",
+         reason="a line of docs/results/reproduction/run.sh, which runs as a whole below"),
+    Rule("reproduction script", r"^bash docs/results/reproduction/run\.sh all runs/study$", "run",
          env=(("CORPORA", "{corpora}"), ("STEPS", "2"), ("LONG_STEPS", "2"), ("SEEDS", "0"), ("MODES", "delta_block")),
          timeout=900, reason="every part, 2 steps per run of delta_block, one seed, on Moby-Dick"),
-    Rule("reproduction part", r"^bash docs/reproduction/run\.sh \w+ runs/study$", "not_run",
+    Rule("reproduction part", r"^bash docs/results/reproduction/run\.sh \w+ runs/study$", "not_run",
          reason="one part of `run.sh all`, which runs below"),
-    Rule("reproduction, written out", ".", "in_script", source=r"^docs/reproduction/README\.md$",
-         reason="what docs/reproduction/run.sh runs, written out in its README: checked against the script"),
+    Rule("reproduction, written out", ".", "in_script", source=r"^docs/results/reproduction/README\.md$",
+         reason="what docs/results/reproduction/run.sh runs, written out in its README: checked against the script"),
     Rule("the demo", r"^python -m deltares\.train --config experiments/tiny\.py:delta_block --workdir runs/demo$",
          "run", extra=SHORT_TRAIN, first=True, reason="3 steps; its run directory is read by the tools' commands"),
     Rule("paper-scale training", rf"^(for .*; do )?python -m deltares\.train --config experiments/({PAPER_SCALES})\.py",
@@ -335,7 +335,7 @@ def script_covers(doc: Doc, script_text: str) -> list[str]:
 # ----------------------------------------------------------------------------- the workspace
 
 # The documented commands counted by hand on 2026-12-01 (README.md 37, launch/README.md 6,
-# docs/reproduction 9, experiments 12): the collection must find at least these.
+# docs/results/reproduction 9, experiments 12): the collection must find at least these.
 MIN_DOCUMENTED = 64
 
 
@@ -354,9 +354,9 @@ def workspace(tmp_path_factory):
     for name in ("experiments", "launch", "requirements.txt", "tests/lm_eval_tasks"):  # read only
         os.makedirs(os.path.dirname(ws / name), exist_ok=True)
         os.symlink(os.path.join(ROOT, name), ws / name)
-    os.makedirs(ws / "docs" / "reproduction")
-    with open(os.path.join(ROOT, "docs", "reproduction", "run.sh")) as f:
-        (ws / "docs" / "reproduction" / "run.sh").write_text(f.read())
+    os.makedirs(ws / "docs" / "results" / "reproduction")
+    with open(os.path.join(ROOT, "docs", "results", "reproduction", "run.sh")) as f:
+        (ws / "docs" / "results" / "reproduction" / "run.sh").write_text(f.read())
     moby = os.path.join(ROOT, "deltares", "data", "assets", "mobydick.txt.gz")
     os.makedirs(ws / "texts")
     with gzip.open(ws / "texts" / "excerpt.txt.gz", "wt", encoding="utf-8") as f:
@@ -484,10 +484,10 @@ def test_documented_commands_run(workspace):
     problems = []
     for doc, rule in not_run:
         if rule.how == "in_script":
-            with open(os.path.join(ROOT, "docs", "reproduction", "run.sh")) as f:
+            with open(os.path.join(ROOT, "docs", "results", "reproduction", "run.sh")) as f:
                 missing = script_covers(doc, f.read())
             if missing:
-                problems.append(f"{doc.source}:{doc.line}: not what docs/reproduction/run.sh runs: {missing}")
+                problems.append(f"{doc.source}:{doc.line}: not what docs/results/reproduction/run.sh runs: {missing}")
     assert only or any(o.rule.name == "reproduction script" for o in outcomes.values()), "run.sh is not run"
 
     workers = int(os.environ.get("DELTARES_TEST_WORKERS", "2"))
@@ -559,7 +559,7 @@ def test_stand_ins_and_shortening_reach_the_command(workspace):
     assert runnable(launch, classify(launch, paths), paths) == (
         f"launch/tpu.sh --dry-run --type v5p-8 --config experiments/s220m.py:delta --name my-tpu --zone us-east5-a "
         f"--workdir {paths['bucket']}/run -- --x=1")
-    script_line = Doc("docs/reproduction/run.sh", 1, 'python -m deltares.compare "$RUNS"/a --out "$DATA"')
+    script_line = Doc("docs/results/reproduction/run.sh", 1, 'python -m deltares.compare "$RUNS"/a --out "$DATA"')
     assert classify(script_line, paths).how == "in_script"
     assert substitute(script_line.command, paths) == script_line.command  # $DATA is the script's own variable
     assert script_covers(Doc("x", 1, "python -m deltares.compare a --out b"), "python -m deltares.compare --out") == []

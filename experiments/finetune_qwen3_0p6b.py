@@ -6,7 +6,7 @@ exactly: a zero gate on each routed term makes step 0 compute the pretrained fun
 the routing parameters learn from the first steps. `delta_block,null_source=true,gate=false`
 is the paper's null-source variant (approximately the identity at step 0).
 
-Recipe (DESIGN.md section 4): LR 5e-5 for pretrained weights and 5e-3 for routing
+Recipe (the paper's; docs/guides/fine-tuning.md): LR 5e-5 for pretrained weights and 5e-3 for routing
 parameters, warmup 500 then cosine to 0.1 x peak, 20K steps of 32 x 2048 tokens, weight decay
 0.1, clip 1.0. The tokenizer comes from the checkpoint directory.
 

@@ -3,7 +3,7 @@
 Delta Block defaults to 4 layers per block (7 blocks).
 
 Run: python -m deltares.train --config experiments/qwen3_0p6b.py:delta_block --workdir runs/qwen3_0p6b_delta_block \
-         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
+         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 32.22,
 block AttnRes 32.38, Delta Block 31.45.
 """

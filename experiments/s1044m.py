@@ -3,7 +3,7 @@
 Delta Block defaults to 6 layers per block (6 blocks).
 
 Run: python -m deltares.train --config experiments/s1044m.py:delta_block --workdir runs/s1044m_delta_block \
-         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
+         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 29.70,
 block AttnRes 31.76, full AttnRes 33.36, Delta Block 29.19, Delta AttnRes 29.13.
 """

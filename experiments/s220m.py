@@ -3,7 +3,7 @@
 Delta Block defaults to 2 layers per block (6 blocks), the paper's main-table setting.
 
 Run: python -m deltares.train --config experiments/s220m.py:delta_block --workdir runs/s220m_delta_block \
-         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
+         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 38.71,
 block AttnRes 37.39, full AttnRes 37.30, Delta Block 37.08, Delta AttnRes 36.83.
 Block-size ablation (block_layers=1, 2, 4, 6, 12): 37.44, 37.08, 36.98, 36.92, 37.34.

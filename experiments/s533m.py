@@ -3,7 +3,7 @@
 Delta Block defaults to 6 layers per block (4 blocks).
 
 Run: python -m deltares.train --config experiments/s533m.py:delta_block --workdir runs/s533m_delta_block \
-         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
+         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 32.00,
 block AttnRes 31.75, full AttnRes 31.68, Delta Block 31.16, Delta AttnRes 31.05.
 Block-size ablation (block_layers=2, 6, 12, 24): 31.23, 31.19, 31.22, 31.18.

@@ -2,12 +2,12 @@
 
 Delta Block defaults to 6 layers per block (6 blocks); remat defaults to "full". Needs a
 TPU pod slice (v5p-16, 8 chips, fits delta_block at 39.0 GiB and delta at 75.2 GiB per
-chip, baseline 37.0, AOT 2026-12-01) or several large GPUs; see README. The loss is not chunked here: at this
-scale chunks of 512 tokens raised memory per device (baseline 36.99 -> 37.47, delta_block
+chip, baseline 37.0, AOT 2026-12-01) or several large GPUs; see docs/guides/scaling-out.md.
+The loss is not chunked here: at this scale chunks of 512 tokens raised memory per device (baseline 36.99 -> 37.47, delta_block
 49.62 -> 55.11, delta 75.17 -> 82.89 GiB on v5p:2x2x2).
 
 Run: python -m deltares.train --config experiments/s7b6.py:delta_block --workdir runs/s7b6_delta_block \
-         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see README)
+         --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
      Adding --dry_run checks that command on any machine in about 2 s: flags, config, the abstract
      parameters and train step (nothing allocated, the dataset not read).
 Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 17.43,
@@ -30,5 +30,5 @@ RECIPE = dict(
 
 def get_config(arg="delta_block"):
     cfg = experiment("s7b6", MODEL, arg, block_layers=6, recipe=RECIPE)
-    cfg.model.remat = "full"  # without it nothing fits at this batch (README, "Will it fit?")
+    cfg.model.remat = "full"  # without it nothing fits at this batch (docs/guides/scaling-out.md, "Will it fit?")
     return cfg

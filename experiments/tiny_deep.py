@@ -5,7 +5,7 @@ Delta Block and Block AttnRes default to 3 layers per block: 8 blocks, the paper
 Its 6-layer point (the same width) is `--config.model.n_layers=6` with `block_layers=2` (3 blocks).
 
 Run: python -m deltares.train --config experiments/tiny_deep.py:delta_block --workdir runs/deep
-     (400 steps of 8 x 256 tokens; docs/reproduction/run.sh depth runs every mode)
+     (400 steps of 8 x 256 tokens; docs/results/reproduction/run.sh depth runs every mode)
 Paper: no counterpart; it mimics the paper's deep end (1044M: 36 layers, 7.6B) at tiny width.
 """
 

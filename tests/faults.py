@@ -388,7 +388,7 @@ def main() -> None:
     print(text + "\n\n" + summary)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"# Fault table\n\n{provenance()}; `python -m tests.faults` (see robustness.md). Paths are "
+            f.write(f"# Fault table\n\n{provenance()}; `python -m tests.faults` (see docs/guides/robustness.md). Paths are "
                     f"relative to the benchmark's temporary directory.\n\n{text}\n\n{summary}\n")
 
 

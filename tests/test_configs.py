@@ -1,5 +1,6 @@
 """Experiment configs: every `experiments/<scale>.py` builds for every mode, the paper scales
-have the sizes of DESIGN.md section 4, and variant strings parse (or fail) as documented."""
+have the sizes of docs/guides/training.md ("Experiments and variants"), and variant strings parse
+(or fail) as documented."""
 
 import importlib.util
 import math
@@ -18,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALES = ["debug", "tiny", "s220m", "s533m", "s1044m", "qwen3_0p6b", "s7b6"]
 MODES = ["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]
 
-# DESIGN.md section 4: (d, L, heads, kv, head_dim, ffn, params in millions; vocab 151936, tied).
+# docs/guides/training.md, "Experiments and variants": (d, L, heads, kv, head_dim, ffn, params in millions;
+# vocab 151936, tied).
 DESIGN_TABLE = {
     "s220m": (768, 12, 12, 4, 64, 3072, 220.5),
     "s533m": (1024, 24, 16, 8, 64, 4096, 533.1),

@@ -1,4 +1,4 @@
-"""The package's layers (README, Architecture): nn <- training <- interop <- the command-line tools,
+"""The package's layers (docs/development.md, "Layout"): nn <- training <- interop <- the command-line tools,
 data beside them. Read from the import statements of every module (ast), not by importing them."""
 
 import ast

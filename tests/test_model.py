@@ -1,6 +1,6 @@
 """`deltares.nn.model.Transformer` on the debug size, for every residual mode.
 
-- the forward pass against a float64 NumPy re-implementation of DESIGN.md sections 3-4;
+- the forward pass against a float64 NumPy re-implementation of docs/explanations/modes.md;
 - scanned layers equal unrolled layers (logits and stats);
 - causality; gradients reach every routing parameter; bfloat16 + remat is finite;
 - bad configs raise ValueError naming the field, at construction.
@@ -129,7 +129,7 @@ def np_mlp(p, x):
 
 
 def np_route(sources, router, eps):
-    """DESIGN.md section 2: z_i = w . RMSNorm_g(s_i); softmax over sources; weighted sum.
+    """docs/explanations/modes.md, "Routing over depth": z_i = w . RMSNorm_g(s_i); softmax over sources; weighted sum.
     A null source is one more source, the same vector at every token; the weights returned
     are those of the real sources."""
     s = np.stack(sources)
@@ -147,7 +147,7 @@ def block_of(layer, block_layers):
 
 
 def ref_sources(mode, j, e, deltas, n_layers, block_layers, include_partial):
-    """The source list of sublayer j (DESIGN.md section 3), given the deltas v_0..v_{j-1}."""
+    """The source list of sublayer j (docs/explanations/modes.md), given the deltas v_0..v_{j-1}."""
     if mode == "baseline":
         return []
     if mode in ("full_attnres", "delta"):
@@ -211,7 +211,7 @@ def ref_forward(params, toks, cfg, route_eps=None):
     return x @ p["embed"]["embedding"].T, weights
 
 
-NULL_GATE = (("gate", True), ("null_source", True))  # a converted model's routing (DESIGN.md section 3)
+NULL_GATE = (("gate", True), ("null_source", True))  # a converted model's routing (docs/explanations/modes.md)
 REF_CASES = [(m, 2, True, (), 1e-6) for m in MODES] + [
     ("delta_block", 1, True, (), 1e-6), ("delta_block", 3, True, (), 1e-6), ("block_attnres", 1, True, (), 1e-6),
     ("delta_block", 2, False, (), 1e-6), ("block_attnres", 2, False, (), 1e-6),

@@ -1,7 +1,7 @@
-"""The production Transformer routes over exactly the sources of DESIGN.md section 3.
+"""The production Transformer routes over exactly the sources of docs/explanations/modes.md.
 
 The oracle here is a plain, unrolled float64 NumPy re-implementation of a Qwen3
-decoder with the five residual modes, written from DESIGN.md sections 2-4 only.
+decoder with the five residual modes, written from docs/explanations/modes.md only.
 It deliberately imports nothing from `deltares.nn.residual`, `deltares.nn.routing` or
 `deltares.nn.decoder`: sources are rebuilt from the list of deltas v_0..v_{2L-1}
 for every sublayer, with no buffers, slots or masks.
@@ -116,7 +116,7 @@ def block_delta(v, n, n_layers, block_layers):
 
 
 def sources_for(mode, j, e, v, n_layers, block_layers, include_partial):
-    """DESIGN.md section 3: the sources of sublayer j, in slot order. `v` holds v_0..v_{j-1}."""
+    """docs/explanations/modes.md: the sources of sublayer j, in slot order. `v` holds v_0..v_{j-1}."""
     if mode in ("full_attnres", "delta"):
         return [e] + v[:j]
     n = (j // 2) // block_layers  # block of sublayer j
@@ -358,7 +358,7 @@ def _toggled_partial(mode, j, e, v, L, B, partial):
 
 
 def _partial_minus_last_block(mode, j, e, v, L, B, partial):
-    """The authors' PyTorch Delta Block (DESIGN.md: do not copy): partial - blocks[-1]."""
+    """The authors' PyTorch Delta Block (docs/guides/fine-tuning.md: not what deltares computes): partial - blocks[-1]."""
     S = sources_for(mode, j, e, v, L, B, partial)
     n = (j // 2) // B
     if n >= 1 and partial and j != 2 * n * B:

@@ -24,8 +24,8 @@ Tensor names (per layer i; `[out, in]` matrices as in PyTorch):
 | final_router/{query,gain} (Kimi modes) | model.final_res_proj.weight [1, D], model.final_res_norm.weight |
 
 The routing names are those of the authors' released PyTorch model (which checkpoints
-move between the two code bases, per mode: README, "Pretrained Qwen3"); the gate is
-deltares' exact-conversion gate (DESIGN.md section 3). With scanned layers
+move between the two code bases, per mode: docs/guides/fine-tuning.md); the gate is
+deltares' exact-conversion gate (docs/explanations/modes.md). With scanned layers
 (`scan_layers`), `layers/...` holds all layers stacked on a leading axis.
 `config.json` is Qwen3's plus `residual_mode`, `residual_block_layers`,
 `residual_include_partial`, `residual_gate` and `residual_null_source`. Baseline exports

@@ -72,17 +72,17 @@ MODEL_FIELDS = (
     Field("loss_chunk", 512, int, NON_NEGATIVE, "tokens per chunk of the training and evaluation loss: each "
           "chunk's logits are computed (and recomputed for the gradient) on their own, never all [B, T, V]; "
           "0 or at least seq_len: the plain loss"),
-    Field("residual.mode", "delta_block", str, MODES, "residual scheme (DESIGN.md section 3)"),
+    Field("residual.mode", "delta_block", str, MODES, "residual scheme (docs/explanations/modes.md)"),
     Field("residual.block_layers", 4, int, POSITIVE, "layers per block of the block modes; at most n_layers"),
     Field("residual.include_partial", True, bool, None, "route over the current block's partial sum too"),
     Field("residual.group_layers", 0, int, NON_NEGATIVE, "two-phase grouped routing in the store-once scan (scanned "
           "layers, remat; same math): the sources completed before each group of this many layers (at most: a "
           "divisor of block_layers in block modes, of n_layers otherwise) are routed in one pass for all its "
           "sublayers (with impl pallas: the fused K-query kernel); 0 (default, the faster and smaller program "
-          "under XLA, see README): one pass per sublayer"),
+          "under XLA, see docs/explanations/performance.md): one pass per sublayer"),
     Field("residual.scan_segments", 1, int, POSITIVE, "the store-once layer scan (scanned layers, remat) as at most "
           "this many scans of consecutive layers (block modes: whole blocks), each router reading only the source "
-          "slots its segment can have written (README, Performance: fewer bytes, more compiled bodies); 1 "
+          "slots its segment can have written (docs/explanations/performance.md: fewer bytes, more compiled bodies); 1 "
           "(default): one scan, every router reading all slots (masked)"),
     Field("residual.impl", "xla", str, ROUTING_IMPLS, "depth routing: xla, or the fused Pallas kernel (pallas: the "
           "target platform's; no routing weights; a null source only with two-phase routing)"),

@@ -3,7 +3,7 @@ depth pass with a store-once source buffer for the backward pass.
 
 Reverse-mode AD of a scan saves the carry at every step, so a source buffer
 carried through L layers is stored L times: O(L x S x B x T x D) memory, quadratic
-in depth (DESIGN.md section 5, "Memory trap"). Every slot is written once for good
+in depth (docs/explanations/store-once.md). Every slot is written once for good
 (per-sublayer modes: a delta; block modes: a completed block's sum, the running
 partial being the stream minus the stream at the block's start, read from the
 stream and never stored for the backward pass), so the final buffer holds every
@@ -18,7 +18,7 @@ default): a router reads, and its VJP updates the cotangent of, only the slots i
 have written (a static prefix of the buffer), not all S.
 
 Given the routers' queries (`depth_scan(queries_fn=)`), the scan routes two-phase over
-groups of layers (DESIGN.md section 5; `_grouped_forward`, `_grouped_backward`): the
+groups of layers (docs/explanations/store-once.md; `_grouped_forward`, `_grouped_backward`): the
 slots completed before a group are routed for all its sublayers in one pass (`Prefix`),
 and each sublayer merges that with the sources written inside its group.
 """
@@ -149,7 +149,7 @@ def _intra_sources(plan: ResidualPlan, state: DepthState, j, prefix: Prefix, eps
 
 def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source: bool = False,
                    eps: float = routing.NORM_EPS, final: bool = False, prefix: Prefix | None = None):
-    """Sublayer j's input x_j (DESIGN.md section 3) and its routing: returns (x_BTD, weights_SBT or
+    """Sublayer j's input x_j (docs/explanations/modes.md) and its routing: returns (x_BTD, weights_SBT or
     None, routed). `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
     (linen or NNX) or `apply_router` on parameters; `j` may be traced (a scanned layer).
 

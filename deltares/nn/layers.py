@@ -170,7 +170,7 @@ class DepthRouter(nn.Module):
 
     Called on a source buffer with its cached 1/rms and validity mask; returns
     `(route, weights)`, or `(residual + route, weights)` for additive routing.
-    For converting pretrained checkpoints (DESIGN.md section 3): `gate` adds a scalar
+    For converting pretrained checkpoints (docs/explanations/modes.md): `gate` adds a scalar
     gate (zeros) on the routed term, `residual + gate * route`, so a converted model
     computes exactly the pretrained function at step 0; `null_source` adds the paper's
     learned null source (zeros) to every routing. `eps` is the key norm's (config.model.norm_eps,

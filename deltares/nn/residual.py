@@ -12,10 +12,10 @@ The model keeps its depth sources in one buffer of `n_slots` slots, each [B, T, 
   read from the stream, never saved.
 
 Every sublayer adds its delta into its `write` slot. Which slots each sublayer
-reads is the table of DESIGN.md section 3, fixed at trace time, so one scanned
+reads is the table of docs/explanations/modes.md, fixed at trace time, so one scanned
 layer body serves every depth.
 
-Two-phase grouped routing (DESIGN.md section 5) splits each sublayer's sources at
+Two-phase grouped routing (docs/explanations/store-once.md) splits each sublayer's sources at
 its group's start: the slots completed before the group (`prefix_read`), routed
 for all the group's sublayers in one pass, and the few written inside the group
 (`intra_read`), merged per sublayer. A group is `group_layers` consecutive layers
@@ -154,7 +154,7 @@ def n_blocks(n_layers: int, block_layers: int) -> int:
 
 def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: bool = True,
               group_layers: int = 1, scan_segments: int = 1) -> ResidualPlan:
-    """The source table of DESIGN.md section 3 for one mode and depth. Routing groups: the largest
+    """The source table of docs/explanations/modes.md for one mode and depth. Routing groups: the largest
     divisor of `block_layers` (block modes: groups tile blocks, so a group's earlier sources are
     the completed blocks and its intra source the partial) or of `n_layers` (per-sublayer modes)
     up to `group_layers`; only a block mode's short last block may leave a shorter last group."""

@@ -5,7 +5,7 @@ cached 1/rms, slot writes) and, when asked, the store-once depth pass; you suppl
 sublayers (attention, MLP: anything mapping [B, T, D] to a delta [B, T, D], pre-norm included)
 and one router per sublayer (linen `deltares.nn.layers.DepthRouter`, NNX
 `deltares.nn.nnx.DepthRouter`, or a parameter dict for `apply_router`). Sublayers are numbered
-j = 0 .. 2L-1 (j = 2l: attention of layer l, j = 2l+1: its MLP), as in DESIGN.md section 2.
+j = 0 .. 2L-1 (j = 2l: attention of layer l, j = 2l+1: its MLP), as in docs/explanations/modes.md.
 
     routing = DepthRouting("delta_block", n_layers=L, block_layers=2)
     state = routing.start(e_BTD)

@@ -8,7 +8,7 @@ the model caches once per source instead of renormalising it at every reader.
 Keys, logits and softmax are float32 (float64 for float64 sources: `accumulation_dtype`); the
 output has the sources' dtype.
 
-Two-phase routing (DESIGN.md section 5): `route_prefix` routes K queries over the
+Two-phase routing (docs/explanations/store-once.md): `route_prefix` routes K queries over the
 same sources in one pass and returns each query's result and log-sum-exp; passed
 back as `prefix` to `route_normalized`, a result is one more source whose logit is
 its lse, which merges it exactly with the remaining sources (softmax over a union).

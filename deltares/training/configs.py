@@ -53,7 +53,7 @@ def parse_variant(arg: str | None, default_mode: str = "delta_block") -> dict:
     return out
 
 
-# The paper's recipe (DESIGN.md section 4): 10K steps of 32 x 2048 tokens (65K per
+# The paper's recipe (docs/guides/training.md): 10K steps of 32 x 2048 tokens (65K per
 # step), AdamW (0.9, 0.95, 1e-8), weight decay 0.1, clip 1.0, warmup 1000 then
 # cosine to 0.1 x peak, peak 6e-4. `None` leaves a field unset (see `experiment`): the
 # dataset must be given on the command line.

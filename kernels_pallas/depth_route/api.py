@@ -24,14 +24,14 @@ A kernel that cannot run (another platform without interpret=True, or shapes it 
 falls back to xla with a one-time warning. Under `jax.jit` with sharded inputs a Pallas call
 is not partitioned by XLA: call it inside `jax.shard_map` (tokens split, D whole).
 
-Two-phase routing (Kimi; DESIGN.md section 5): pseudo-queries do not depend on the input, so for
-the K sublayers of a group the routing over the sources completed before the group is one read
-of those sources: `route_prefix(sources, valid [K, S], queries [K, D], gains [K, D])` returns
-each query's routed output and log-sum-exp (float32; the oracle is
-`deltares.nn.routing.route_prefix`). Its kernels keep K online softmaxes per token tile (on TPU
-the logits of the K queries are one matmul per source tile, the K float32 accumulators are the
-output block itself), and the backward reads the valid sources once more: with
-c_k = dout_k . out_k - dlse_k from the saved output,
+Two-phase routing (Kimi; docs/explanations/store-once.md, "Two-phase grouped routing"):
+pseudo-queries do not depend on the input, so for the K sublayers of a group the routing over
+the sources completed before the group is one read of those sources:
+`route_prefix(sources, valid [K, S], queries [K, D], gains [K, D])` returns each query's routed
+output and log-sum-exp (float32; the oracle is `deltares.nn.routing.route_prefix`). Its kernels
+keep K online softmaxes per token tile (on TPU the logits of the K queries are one matmul per
+source tile, the K float32 accumulators are the output block itself), and the backward reads the
+valid sources once more: with c_k = dout_k . out_k - dlse_k from the saved output,
     ds = sum_k [a_k dout_k + dz_k inv (q_k - z_k inv s / D)],  dz_k = a_k (dout_k . s - c_k),
 added into a cotangent buffer in place (`route_prefix_grad_into`; the custom VJP passes zeros).
 Each sublayer then merges that result with its few intra-group sources through the lse

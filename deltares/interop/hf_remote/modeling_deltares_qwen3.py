@@ -2,7 +2,8 @@
 
 Written by `deltares.interop.hf.to_hf` into every routed export (load it with
 `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`); self-contained
-(torch and transformers only). It computes what deltares computes (DESIGN.md section 3):
+(torch and transformers only). It computes what deltares computes (docs/explanations/modes.md
+in the deltares repository):
 
     route(S) = sum_i a_i s_i,   a = softmax_i(w . RMSNorm_g(s_i))     (w, g per sublayer)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The small-scale reproduction study (README.md here): every number in README.md comes from this.
-#   bash docs/reproduction/run.sh PART [RUNS_DIR]      PART: seeds blocks routing_lr depth long report all
+#   bash docs/results/reproduction/run.sh PART [RUNS_DIR]      PART: seeds blocks routing_lr depth long report all
 # Each part is resumable: a finished run is skipped (its final evaluation is reread), an interrupted
 # one continues from its last checkpoint. Budgets: minutes on a quiet 2-core CPU (2026-12-01).
 #   seeds       ~105 min  5 modes x 3 seeds, tiny (d256, 6 layers), 400 steps
@@ -20,7 +20,7 @@ read -r -a SEEDS <<< "${SEEDS:-0 1 2}"
 read -r -a MODES <<< "${MODES:-baseline full_attnres block_attnres delta delta_block}"
 CORPORA=${CORPORA:-../shared/corpora}
 DATA=$RUNS/data
-OUT=${OUT:-docs/reproduction}
+OUT=${OUT:-docs/results/reproduction}
 
 prepare() {
   mkdir -p "$RUNS"

@@ -1,0 +1,109 @@
+"""The documentation holds together: every relative link of the markdown pages resolves (to a file,
+and to a heading where it names one), and the generated reference pages are current.
+
+(That every command and Python snippet the pages print runs is tests/test_documented_commands.py.)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+
+from tests.jax_cache import ROOT
+from tests.reference_pages import stale
+
+PAGES = ("README.md", "CHANGELOG.md", "launch/README.md", "examples/README.md", "docs/**/*.md")
+FENCE = re.compile(r"^\s*(```|~~~)")
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def pages() -> list[str]:
+    return sorted({os.path.relpath(p, ROOT) for pattern in PAGES
+                   for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)})
+
+
+def prose(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, with inline code spans blanked."""
+    out, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((number, re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), line)))
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: links reduced to their text, lower case, punctuation dropped
+    (letters, digits, `_` and `-` kept), spaces as hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    """The anchors of a markdown file's headings (a repeated heading gets -1, -2, ... as on GitHub)."""
+    with open(path) as f:
+        text = f.read()
+    out, seen = set(), {}
+    fenced = False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match and not fenced:
+            base = slug(match.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def broken_links(page: str) -> list[str]:
+    """`page:line: target (why)` for every relative link of `page` that does not resolve."""
+    with open(os.path.join(ROOT, page)) as f:
+        text = f.read()
+    out = []
+    for number, line in prose(text):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:, ...
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else \
+                os.path.join(ROOT, page)
+            if not full.startswith(ROOT + os.sep) and full != ROOT:
+                out.append(f"{page}:{number}: {target} (outside the repository)")
+            elif not os.path.exists(full):
+                out.append(f"{page}:{number}: {target} (no such file)")
+            elif anchor and full.endswith(".md") and anchor not in anchors(full):
+                out.append(f"{page}:{number}: {target} (no heading #{anchor} in {os.path.relpath(full, ROOT)})")
+    return out
+
+
+def test_every_relative_link_resolves():
+    found = pages()
+    assert "README.md" in found and "docs/explanations/modes.md" in found, found
+    broken = [b for page in found for b in broken_links(page)]
+    assert not broken, "links that do not resolve:\n" + "\n".join(broken)
+
+
+def test_link_checking_finds_files_and_headings(tmp_path, monkeypatch):
+    assert slug("Will it fit? Ahead-of-time proof on a CPU") == "will-it-fit-ahead-of-time-proof-on-a-cpu"
+    assert slug("`deltares.compare`: a [results](x.md) table") == "deltarescompare-a-results-table"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Two words\n\n```bash\n# not a heading\n```\n")
+    (tmp_path / "README.md").write_text(
+        "[ok](docs/a.md) [ok](docs/a.md#two-words) [ok](#top) `[not](a link)`\n"
+        "[gone](docs/b.md) [bad](docs/a.md#not-a-heading) [web](https://example.com/x.md)\n\n# Top\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert [b.split(": ", 1)[1] for b in broken_links("README.md")] == [
+        "docs/b.md (no such file)", "docs/a.md#not-a-heading (no heading #not-a-heading in docs/a.md)"]
+
+
+def test_generated_reference_pages_are_current():
+    differ = stale(ROOT)
+    assert not differ, (f"{differ} differ from what the schema and the tools' --help give: run "
+                        "`python -m tests.reference_pages` from the repository root and commit the pages")

@@ -15,6 +15,7 @@ width]); each letter means one thing across deltares/ and kernels_pallas/:
     S  sources of depth routing (the embedding and the sublayers' outputs a router mixes)
     H  query heads
     K  key/value heads
+    Q  query heads sharing one key/value head (H / K)
     E  head dimension
     C  key/value positions attended to (attention's context: the cache length in generation)
     P  prompt positions (generation, padded)
@@ -22,3 +23,12 @@ width]); each letter means one thing across deltares/ and kernels_pallas/:
     G  chunks of a sequence, W tokens each (the chunked loss)
     1  an axis of size 1 (kept for broadcasting)
 """
+
+from deltares.nn.config import MODES, model_config
+from deltares.nn.layers import DepthRouter
+from deltares.nn.model import Transformer
+from deltares.nn.routed import DepthRouting
+from deltares.nn.routing import depth_route
+from deltares.nn.stack import DepthStack
+
+__all__ = ["MODES", "DepthRouter", "DepthRouting", "DepthStack", "Transformer", "depth_route", "model_config"]

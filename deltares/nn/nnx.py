@@ -13,10 +13,13 @@ because the linen parameters carry logical names; use these modules instead.)
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from deltares.nn import routing
+from deltares.nn.config import MODES
+from deltares.nn.depth import depth_scan
 from deltares.nn.layers import ROUTER_PARAMS, apply_router, router_param_names, router_param_shape
 
 
@@ -36,3 +39,73 @@ class DepthRouter(nnx.Module):
         params = {name: getattr(self, name)[...] for name in self.param_names}
         return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
                             interpret=self.interpret, eps=self.eps, prefix=prefix)
+
+
+class StackLayer(nnx.Module):
+    """One layer of an NNX `DepthStack`: sublayer `names[k]` and its router `names[k] + "_router"`."""
+
+    def __init__(self, sublayers, names, d_model: int, routed: bool, gate: bool, null_source: bool, eps: float):
+        self.names = tuple(names)
+        for name, module in zip(self.names, sublayers):
+            setattr(self, name, module)
+            setattr(self, f"{name}_router", DepthRouter(d_model, gate=gate, null_source=null_source, eps=eps)
+                    if routed else None)
+
+    def pairs(self, args):
+        """[(router, f)] for `DepthRouting.layer`, each f(x) = sublayer(x, *args)."""
+        return [(getattr(self, f"{name}_router"), lambda x, m=getattr(self, name): m(x, *args)) for name in self.names]
+
+
+class DepthStack(nnx.Module):
+    """`n_layers` layers under residual `mode`, NNX: `sublayers(rngs)` returns one layer's two
+    modules (attention and MLP, or any modules mapping [B, T, D], pre-norm included, to a delta;
+    called as `m(x_BTD, *args)`), created `n_layers` times with their state stacked on a leading
+    axis (`nnx.vmap`). Calling the stack on e_BTD returns its output before the final norm.
+    Options as deltares.nn.stack.DepthStack (the linen module): under `remat` the routed modes run
+    the store-once pass (deltares.nn.depth.depth_scan) unless `store_once=False`."""
+
+    def __init__(self, sublayers, n_layers: int, d_model: int, mode: str = "delta_block", *, block_layers: int = 1,
+                 include_partial: bool = True, gate: bool = False, null_source: bool = False,
+                 epsilon: float = routing.NORM_EPS, remat: bool = True, store_once: bool = True,
+                 names=("attn", "mlp"), rngs: nnx.Rngs):
+        from deltares.nn.routed import DepthRouting  # noqa: PLC0415 - routed imports this module's router
+        from deltares.nn.stack import check_names  # noqa: PLC0415
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_names(names)
+        if not callable(sublayers):
+            raise ValueError(f"sublayers must be a function of rngs returning a layer's two modules, got {sublayers!r}")
+        self.routing = DepthRouting(mode, n_layers, block_layers, include_partial, epsilon)
+        self.remat, self.store_once = remat, store_once
+        routed = self.routing.uses_routers
+
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            made = tuple(sublayers(rngs))
+            if len(made) != len(names):
+                raise ValueError(f"sublayers(rngs) must return {len(names)} modules, got {len(made)}")
+            return StackLayer(made, names, d_model, routed, gate, null_source, epsilon)
+
+        self.layers = create(rngs)
+        self.final_router = DepthRouter(d_model, eps=epsilon) if self.routing.uses_final_router else None
+
+    def __call__(self, e_BTD, *args):
+        graphdef, state_L = nnx.split(self.layers)
+        routing_ = self.routing
+
+        def layer_fn(state_l, state, layer, only=None):
+            return routing_.layer(state, layer, nnx.merge(graphdef, state_l).pairs(args), only=only)
+
+        depth = routing_.start(e_BTD)
+        if self.remat and self.store_once and routing_.uses_routers:
+            depth, _ = depth_scan(layer_fn, state_L, depth, routing_.plan, eps=routing_.eps)
+        else:
+            step = jax.checkpoint(layer_fn) if self.remat else layer_fn
+            depth = jax.lax.scan(lambda d, xs: step(xs[0], d, xs[1]), depth,
+                                 (state_L, jnp.arange(routing_.n_layers)))[0]
+        return routing_.output(depth, self.final_router)
+
+
+__all__ = ["DepthRouter", "DepthStack", "StackLayer"]

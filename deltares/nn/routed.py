@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from deltares.nn import routing as routing_math
 from deltares.nn.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
-from deltares.nn.layers import apply_router, init_router_params
+from deltares.nn.layers import DepthRouter, apply_router, init_router_params
 from deltares.nn.residual import ResidualPlan, make_plan
 
 SUBLAYERS_PER_LAYER = 2  # attention, then MLP
@@ -156,4 +156,4 @@ def _has_null(router) -> bool:
     return bool(getattr(router, "null_source", False))
 
 
-__all__ = ["DepthRouting", "DepthState", "apply_router", "init_router_params"]
+__all__ = ["DepthRouter", "DepthRouting", "DepthState", "apply_router", "init_router_params"]

@@ -1,0 +1,138 @@
+"""`DepthStack`: a stack of your own layers under any residual mode, as one linen module.
+
+You write one layer's two sublayers (attention and MLP, or any modules mapping [B, T, D] to a
+delta [B, T, D], pre-norm included); the stack makes `n_layers` copies with parameters stacked
+on a leading layer axis, one depth router per sublayer, the source bookkeeping, and, for the
+routed modes under `remat`, the store-once depth pass (deltares.nn.depth.depth_scan), whose
+backward pass keeps one source buffer instead of one per layer:
+
+    stack = DepthStack(sublayers=(functools.partial(Attention, cfg), functools.partial(MLP, cfg)),
+                       n_layers=16, mode="delta")
+    out_BTD = stack(e_BTD)          # then your final norm and head
+
+Each entry of `sublayers` is called as `factory(name=...)` and must return a linen Module whose
+`__call__(x_BTD, *args)` returns the delta; `*args` are what you pass after `e_BTD` (positions,
+masks), the same for every layer. The NNX version is deltares.nn.nnx.DepthStack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from deltares.nn import routing as routing_math
+from deltares.nn.config import MODES
+from deltares.nn.depth import depth_scan, init_depth_state
+from deltares.nn.layers import DepthRouter
+from deltares.nn.routed import SUBLAYERS_PER_LAYER, DepthRouting
+
+
+def check_names(names: Sequence[str]) -> None:
+    """ValueError unless `names` are two distinct strings (a layer's two sublayers)."""
+    if len(names) != SUBLAYERS_PER_LAYER or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"a layer has {SUBLAYERS_PER_LAYER} sublayers (attention, MLP): names must be "
+                         f"{SUBLAYERS_PER_LAYER} distinct strings, got {tuple(names)!r}")
+
+
+def check_sublayers(sublayers: Sequence, names: Sequence[str]) -> None:
+    """ValueError unless `sublayers` are two module factories named by `names`."""
+    check_names(names)
+    if len(sublayers) != SUBLAYERS_PER_LAYER:
+        raise ValueError(f"a layer has {SUBLAYERS_PER_LAYER} sublayers (attention, MLP), got {len(sublayers)}")
+    for k, f in enumerate(sublayers):
+        if not callable(f):
+            raise ValueError(f"sublayers[{k}] must be a factory of a module (a class or a function of name=), got {f!r}")
+
+
+class RoutedLayer(nn.Module):
+    """One layer of a `DepthStack`: its sublayers and their routers, run by `routing.layer`."""
+
+    routing: DepthRouting
+    sublayers: tuple
+    names: tuple = ("attn", "mlp")
+    gate: bool = False
+    null_source: bool = False
+
+    @nn.compact
+    def __call__(self, state, layer, *args, only=None):
+        pairs = []
+        for name, factory in zip(self.names, self.sublayers):
+            body = factory(name=name)
+            router = None
+            if self.routing.uses_routers:
+                router = DepthRouter(self.gate, self.null_source, eps=self.routing.eps, name=f"{name}_router")
+            pairs.append((router, lambda x, body=body: body(x, *args)))
+        return self.routing.layer(state, layer, pairs, only=only)
+
+
+class DepthStack(nn.Module):
+    """`n_layers` layers of `sublayers` (two module factories) under residual `mode`; returns the
+    stack's output before the final norm (the Kimi modes route it with one more router,
+    `final_router`). Parameters: `layers` (each leaf with a leading axis of `n_layers`; sublayer
+    `names[k]` and its router `names[k] + "_router"` inside), and `final_router`.
+
+    `block_layers`: layers per block of the block modes (1 elsewhere). `remat` (default): each
+    layer recomputed in the backward pass; with it the routed modes run the store-once pass unless
+    `store_once=False` (plain autodiff of the scan, the reference). `scan=False` unrolls the
+    layers (parameters `layers_0`, `layers_1`, ...; each sublayer reads only the sources it needs).
+    `epsilon`: the routers' key-norm epsilon."""
+
+    sublayers: tuple
+    n_layers: int
+    mode: str = "delta_block"
+    block_layers: int = 1
+    include_partial: bool = True
+    gate: bool = False
+    null_source: bool = False
+    epsilon: float = routing_math.NORM_EPS
+    remat: bool = True
+    store_once: bool = True
+    scan: bool = True
+    names: tuple = ("attn", "mlp")
+
+    def _routing(self) -> DepthRouting:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_sublayers(self.sublayers, self.names)
+        return DepthRouting(self.mode, self.n_layers, self.block_layers, self.include_partial, self.epsilon)
+
+    def _layer(self, routing: DepthRouting, **kwargs) -> RoutedLayer:
+        return RoutedLayer(routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source, **kwargs)
+
+    @nn.compact
+    def __call__(self, e_BTD, *args):
+        routing = self._routing()
+        if e_BTD.ndim != 3:
+            raise ValueError(f"the stack's input is [B, T, D], got shape {e_BTD.shape}")
+        if not self.scan:
+            state = init_depth_state(e_BTD, routing.plan, self.epsilon, listed=True)
+            layer_cls = nn.remat(RoutedLayer, static_argnums=(2,)) if self.remat else RoutedLayer
+            for layer in range(self.n_layers):
+                state, _ = layer_cls(routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source,
+                                     name=f"layers_{layer}")(state, layer, *args)
+        elif self.remat and self.store_once and routing.uses_routers and not self.is_initializing():
+            layer = self._layer(routing, parent=None)
+
+            def layer_fn(params_l, state, index, only=None):
+                return layer.apply({"params": params_l}, state, index, *args, only=only)
+
+            params_L = nn.meta.unbox(self.variables["params"]["layers"])
+            state, _ = depth_scan(layer_fn, params_L, routing.start(e_BTD), routing.plan, eps=self.epsilon)
+        else:
+            layer_cls = nn.remat(RoutedLayer, prevent_cse=False) if self.remat else RoutedLayer
+            scanned = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                              in_axes=(0,) + (nn.broadcast,) * len(args), length=self.n_layers,
+                              metadata_params={nn.PARTITION_NAME: "layers"})
+            layers = scanned(routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source,
+                             name="layers")
+            state, _ = layers(routing.start(e_BTD), jnp.arange(self.n_layers), *args)
+        final_router = None
+        if routing.uses_final_router:
+            final_router = DepthRouter(eps=self.epsilon, name="final_router")
+        return routing.output(state, final_router)
+
+
+__all__ = ["DepthStack", "RoutedLayer"]
+

@@ -123,7 +123,8 @@ def test_shard_map_specs_come_from_the_logical_rules():
     from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as P
 
-    from deltares.nn.layers import SOURCES_AXES, shard_spec
+    from deltares.nn.axes import SOURCES_AXES
+    from deltares.nn.layers import shard_spec
     from deltares.training.sharding import LOGICAL_RULES
 
     mesh = AbstractMesh((2, 2, 4), ("data", "fsdp", "tensor"))

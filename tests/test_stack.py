@@ -173,6 +173,11 @@ def test_stack_refuses_bad_arguments_with_one_clear_error():
         DepthStack(SUBLAYERS, L, "delta").init(jax.random.key(0), E_BTD[0])
     with pytest.raises(ValueError, match="block_layers"):
         DepthStack(SUBLAYERS, L, "delta_block", block_layers=4).init(jax.random.key(0), E_BTD)
+    routing = DepthRouting("delta", 2)
+    state = routing.start(E_BTD)
+    for j in (-1, 4):
+        with pytest.raises(ValueError, match=r"sublayer index .* out of range: 2 layers have sublayers 0 \.\. 3"):
+            routing.add(state, j, E_BTD)
     with pytest.raises(ValueError, match="distinct strings"):
         NNXDepthStack(lambda r: (NNXDense("tanh", r), NNXDense("sin", r)), L, D, "delta", names=("a", "a"),
                       rngs=nnx.Rngs(0))

@@ -35,11 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltares.nn import routing
+from deltares.nn.axes import SOURCES_AXES, STREAM_AXES
 from deltares.nn.config import BLOCK_MODES
 from deltares.nn.residual import ResidualPlan, Segment, row
 
-STREAM_AXES = ("batch", "length", "act_embed")  # logical names of the stream and of each source
-SOURCES_AXES = ("sources",) + STREAM_AXES
 
 
 class Prefix(NamedTuple):
@@ -70,9 +69,12 @@ def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS, l
     h_block = e_BTD if plan.mode in BLOCK_MODES else None
     if listed:
         return DepthState(e_BTD, (e_BTD,), (routing.inv_rms(e_BTD, eps),), h_block)
-    sources = jnp.zeros((plan.n_slots,) + e_BTD.shape, e_BTD.dtype).at[0].set(e_BTD)
+    # zeros made from e itself carry its sharding, so the buffer follows an explicitly sharded e (jax's
+    # default mesh axes) where a fresh, replicated jnp.zeros would refuse the write of e
+    inv_BT = routing.inv_rms(e_BTD, eps)
+    sources = jnp.broadcast_to(jnp.zeros_like(e_BTD)[None], (plan.n_slots,) + e_BTD.shape).at[0].set(e_BTD)
     sources = nn.with_logical_constraint(sources, SOURCES_AXES)
-    inv = jnp.zeros((plan.n_slots,) + e_BTD.shape[:2], jnp.float32).at[0].set(routing.inv_rms(e_BTD, eps))
+    inv = jnp.broadcast_to(jnp.zeros_like(inv_BT)[None], (plan.n_slots,) + inv_BT.shape).at[0].set(inv_BT)
     return DepthState(e_BTD, sources, inv, h_block)
 
 
@@ -241,6 +243,7 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     also called with `prefix=` a `Prefix` of the layer's two sublayers (leading axis 2). Phase one
     routes with `impl` (`layers.route_prefix`: xla or the fused K-query kernel, `interpret` for tests)."""
     group_prefix = prefix_grad = None
+    rules = tuple(nn.get_logical_axis_rules())  # the backward pass is traced later, maybe outside this context
     if queries_fn is not None:
         group_prefix = functools.partial(_group_prefix, queries_fn, impl=impl, interpret=interpret, eps=eps)
         if impl != "xla":  # the kernel adds phase one's source cotangent into the buffer's, in place
@@ -270,10 +273,11 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     def backward(residuals, cotangents):
         params_L, h_L, final = residuals
         d_final, _ = cotangents  # statistics carry no gradient
-        if group_prefix is not None:
-            return _grouped_backward(layer_fn, group_prefix, params_L, h_L, final, d_final, plan, unroll, eps,
-                                     prefix_grad)
-        return _sublayer_backward(layer_fn, params_L, h_L, final, d_final, plan, unroll, eps)
+        with nn.logical_axis_rules(rules):
+            if group_prefix is not None:
+                return _grouped_backward(layer_fn, group_prefix, params_L, h_L, final, d_final, plan, unroll, eps,
+                                         prefix_grad)
+            return _sublayer_backward(layer_fn, params_L, h_L, final, d_final, plan, unroll, eps)
 
     @jax.custom_vjp
     def run(params_L, state):

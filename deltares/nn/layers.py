@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from deltares.nn import routing
 from deltares.nn.attention import causal_attention
+from deltares.nn.axes import SOURCES_AXES
 
 Dtype = Any
 dense_init = nn.initializers.normal(stddev=0.02)
@@ -262,7 +263,6 @@ def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
     return jax.sharding.PartitionSpec(*spec)
 
 
-SOURCES_AXES = ("sources", "batch", "length", "act_embed")  # the depth-source buffer [S, B, T, D]
 
 
 def _d_split(shape):

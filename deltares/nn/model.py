@@ -16,7 +16,8 @@ import ml_collections
 
 from deltares.nn.config import REMAT_POLICIES, dtype_of, validate_model_config
 from deltares.nn.decoder import DecoderLayer
-from deltares.nn.depth import STREAM_AXES, depth_scan, init_depth_state, stack_output
+from deltares.nn.axes import STREAM_AXES
+from deltares.nn.depth import depth_scan, init_depth_state, stack_output
 from deltares.nn.layers import (
     DepthRouter, Projection, Rope, RMSNorm, _param_init, dense_init, document_rope, rope_tables,
 )

@@ -62,12 +62,13 @@ class DepthStack(nnx.Module):
     called as `m(x_BTD, *args)`), created `n_layers` times with their state stacked on a leading
     axis (`nnx.vmap`). Calling the stack on e_BTD returns its output before the final norm.
     Options as deltares.nn.stack.DepthStack (the linen module): under `remat` the routed modes run
-    the store-once pass (deltares.nn.depth.depth_scan) unless `store_once=False`."""
+    the store-once pass (deltares.nn.depth.depth_scan) unless `store_once=False`; `axis_names` your
+    logical axis names of the stream and the source buffer (deltares.nn.axes)."""
 
     def __init__(self, sublayers, n_layers: int, d_model: int, mode: str = "delta_block", *, block_layers: int = 1,
                  include_partial: bool = True, gate: bool = False, null_source: bool = False,
                  epsilon: float = routing.NORM_EPS, remat: bool = True, store_once: bool = True,
-                 names=("attn", "mlp"), rngs: nnx.Rngs):
+                 names=("attn", "mlp"), axis_names=None, rngs: nnx.Rngs):
         from deltares.nn.routed import DepthRouting  # noqa: PLC0415 - routed imports this module's router
         from deltares.nn.stack import check_names  # noqa: PLC0415
 
@@ -76,7 +77,7 @@ class DepthStack(nnx.Module):
         check_names(names)
         if not callable(sublayers):
             raise ValueError(f"sublayers must be a function of rngs returning a layer's two modules, got {sublayers!r}")
-        self.routing = DepthRouting(mode, n_layers, block_layers, include_partial, epsilon)
+        self.routing = DepthRouting(mode, n_layers, block_layers, include_partial, epsilon, axis_names)
         self.remat, self.store_once = remat, store_once
         routed = self.routing.uses_routers
 
@@ -98,14 +99,15 @@ class DepthStack(nnx.Module):
         def layer_fn(state_l, state, layer, only=None):
             return routing_.layer(state, layer, nnx.merge(graphdef, state_l).pairs(args), only=only)
 
-        depth = routing_.start(e_BTD)
-        if self.remat and self.store_once and routing_.uses_routers:
-            depth, _ = depth_scan(layer_fn, state_L, depth, routing_.plan, eps=routing_.eps)
-        else:
-            step = jax.checkpoint(layer_fn) if self.remat else layer_fn
-            depth = jax.lax.scan(lambda d, xs: step(xs[0], d, xs[1]), depth,
-                                 (state_L, jnp.arange(routing_.n_layers)))[0]
-        return routing_.output(depth, self.final_router)
+        with routing_.names():
+            depth = routing_.start(e_BTD)
+            if self.remat and self.store_once and routing_.uses_routers:
+                depth, _ = depth_scan(layer_fn, state_L, depth, routing_.plan, eps=routing_.eps)
+            else:
+                step = jax.checkpoint(layer_fn) if self.remat else layer_fn
+                depth = jax.lax.scan(lambda d, xs: step(xs[0], d, xs[1]), depth,
+                                     (state_L, jnp.arange(routing_.n_layers)))[0]
+            return routing_.output(depth, self.final_router)
 
 
 __all__ = ["DepthRouter", "DepthStack", "StackLayer"]

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from deltares.nn import routing as routing_math
+from deltares.nn.axes import check_axis_names, use_axis_names
 from deltares.nn.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
 from deltares.nn.layers import DepthRouter, apply_router, init_router_params
 from deltares.nn.residual import ResidualPlan, make_plan
@@ -39,17 +40,23 @@ SUBLAYERS_PER_LAYER = 2  # attention, then MLP
 @dataclasses.dataclass(frozen=True)
 class DepthRouting:
     """The residual scheme of a stack of `n_layers` layers (no parameters: those live in the
-    routers). `eps` is the key norm's epsilon (the model's norm eps)."""
+    routers). `eps` is the key norm's epsilon (the model's norm eps). `axis_names`: your logical
+    axis names for the roles `batch`, `length`, `embed`, `sources` of the stream and the source
+    buffer (deltares.nn.axes; default deltares' own names and rules)."""
 
     mode: str
     n_layers: int
     block_layers: int = 1
     include_partial: bool = True
     eps: float = routing_math.NORM_EPS
+    axis_names: Any = None
 
     plan: ResidualPlan = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        check_axis_names(self.axis_names)
+        if self.axis_names is not None:  # hashable, as a module attribute must be
+            object.__setattr__(self, "axis_names", tuple(sorted(dict(self.axis_names).items())))
         if not isinstance(self.n_layers, int) or self.n_layers < 1:
             raise ValueError(f"n_layers={self.n_layers!r} must be a positive integer")
         if not isinstance(self.block_layers, int) or not 1 <= self.block_layers <= self.n_layers:
@@ -72,9 +79,19 @@ class DepthRouting:
         """The Kimi modes route the stack's output with one more router."""
         return self.plan.replaces_stream
 
+    def names(self):
+        """The context of this routing's axis names (deltares.nn.axes.use_axis_names)."""
+        return use_axis_names(dict(self.axis_names) if self.axis_names else None)
+
+    def _check_index(self, j) -> None:
+        if isinstance(j, int) and not 0 <= j < SUBLAYERS_PER_LAYER * self.n_layers:
+            raise ValueError(f"sublayer index {j} is out of range: {self.n_layers} layers have sublayers 0 .. "
+                             f"{SUBLAYERS_PER_LAYER * self.n_layers - 1}")
+
     def start(self, e_BTD) -> DepthState:
         """The depth state before sublayer 0: stream e, and e in source slot 0."""
-        return init_depth_state(e_BTD, self.plan, self.eps)
+        with self.names():
+            return init_depth_state(e_BTD, self.plan, self.eps)
 
     def input(self, state: DepthState, j, router=None, *, return_weights: bool = False, final: bool = False):
         """Sublayer j's input x_j [B, T, D]; with `return_weights` also (weights [S, B, T] or None).
@@ -83,17 +100,22 @@ class DepthRouting:
         source buffer (a store-once backward pass, `layer(only=)`)."""
         if self.uses_routers and router is None:
             raise ValueError(f"mode {self.mode!r} routes sublayer inputs: pass a router")
+        self._check_index(j)
         router = self._callable(router)
-        x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router), self.eps, final)
+        with self.names():
+            x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router), self.eps, final)
         return (x_BTD, weights_SBT) if return_weights else x_BTD
 
     def add(self, state: DepthState, j, v_BTD) -> DepthState:
         """Adds sublayer j's delta v_j to the stream and to its source slot."""
-        return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.eps)
+        self._check_index(j)
+        with self.names():
+            return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.eps)
 
     def output(self, state: DepthState, final_router=None):
         """The stack's output before the final norm (Kimi modes: routed with `final_router`)."""
-        return stack_output(self.plan, state, self._callable(final_router) if self.uses_final_router else None)
+        with self.names():
+            return stack_output(self.plan, state, self._callable(final_router) if self.uses_final_router else None)
 
     def layer(self, state: DepthState, layer, sublayers: Sequence[tuple[Any, Callable]], only=None):
         """Layer `layer` (may be traced): `sublayers` = [(router, f)] for attention and MLP, f(x) -> delta.
@@ -125,7 +147,8 @@ class DepthRouting:
 
         state = self.start(e_BTD)
         if store_once and self.uses_routers:
-            return depth_scan(layer_fn, params_L, state, self.plan, eps=self.eps)[0]
+            with self.names():
+                return depth_scan(layer_fn, params_L, state, self.plan, eps=self.eps)[0]
         step = jax.checkpoint(layer_fn) if remat else layer_fn
 
         def body(state, xs):

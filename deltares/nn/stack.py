@@ -18,6 +18,7 @@ masks), the same for every layer. The NNX version is deltares.nn.nnx.DepthStack.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -77,7 +78,8 @@ class DepthStack(nn.Module):
     layer recomputed in the backward pass; with it the routed modes run the store-once pass unless
     `store_once=False` (plain autodiff of the scan, the reference). `scan=False` unrolls the
     layers (parameters `layers_0`, `layers_1`, ...; each sublayer reads only the sources it needs).
-    `epsilon`: the routers' key-norm epsilon."""
+    `epsilon`: the routers' key-norm epsilon. `axis_names`: your logical axis names of the stream
+    and the source buffer (deltares.nn.axes: roles `batch`, `length`, `embed`, `sources`)."""
 
     sublayers: tuple
     n_layers: int
@@ -91,12 +93,14 @@ class DepthStack(nn.Module):
     store_once: bool = True
     scan: bool = True
     names: tuple = ("attn", "mlp")
+    axis_names: Any = None
 
     def _routing(self) -> DepthRouting:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_sublayers(self.sublayers, self.names)
-        return DepthRouting(self.mode, self.n_layers, self.block_layers, self.include_partial, self.epsilon)
+        return DepthRouting(self.mode, self.n_layers, self.block_layers, self.include_partial, self.epsilon,
+                            None if self.axis_names is None else dict(self.axis_names))
 
     def _layer(self, routing: DepthRouting, **kwargs) -> RoutedLayer:
         return RoutedLayer(routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source, **kwargs)
@@ -106,6 +110,10 @@ class DepthStack(nn.Module):
         routing = self._routing()
         if e_BTD.ndim != 3:
             raise ValueError(f"the stack's input is [B, T, D], got shape {e_BTD.shape}")
+        with routing.names():
+            return self._run(routing, e_BTD, *args)
+
+    def _run(self, routing: DepthRouting, e_BTD, *args):
         if not self.scan:
             state = init_depth_state(e_BTD, routing.plan, self.epsilon, listed=True)
             layer_cls = nn.remat(RoutedLayer, static_argnums=(2,)) if self.remat else RoutedLayer

@@ -1,0 +1,62 @@
+"""The logical axis names of depth routing's arrays, and the caller's own names for them.
+
+The stream and each source [B, T, D] are constrained with the logical names `batch`, `length`,
+`act_embed` and the source buffer [S, B, T, D] with `sources` in front (deltares' rules,
+deltares.training.sharding.LOGICAL_RULES, map them onto mesh axes). A code base with rules of
+its own names (MaxText's `activation_batch`, ...) passes `axis_names`, a mapping from the roles
+`batch`, `length`, `embed`, `sources` to its logical names (None: that dimension whole): inside
+`use_axis_names`, deltares' names resolve to the mesh axes the caller's names resolve to under
+the caller's rules in context, so routing shards as the caller's own activations do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import flax.linen as nn
+
+ROLES = {"batch": "batch", "length": "length", "embed": "act_embed", "sources": "sources"}  # role -> deltares' name
+STREAM_AXES = (ROLES["batch"], ROLES["length"], ROLES["embed"])  # the stream and each source [B, T, D]
+SOURCES_AXES = (ROLES["sources"],) + STREAM_AXES  # the source buffer [S, B, T, D]
+
+
+def check_axis_names(axis_names: Mapping | None) -> None:
+    """ValueError unless `axis_names` maps some of the roles to logical names (str) or None."""
+    if axis_names is None:
+        return
+    if not isinstance(axis_names, Mapping):
+        raise ValueError(f"axis_names must be a mapping of {sorted(ROLES)} to logical axis names, got {axis_names!r}")
+    unknown = set(axis_names) - set(ROLES)
+    if unknown:
+        raise ValueError(f"axis_names: unknown role(s) {sorted(unknown)}; the roles are {sorted(ROLES)}")
+    for role, name in axis_names.items():
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"axis_names[{role!r}] must be a logical axis name (str) or None, got {name!r}")
+
+
+def alias_rules(axis_names: Mapping, rules=None) -> tuple:
+    """Rules mapping deltares' names of the roles in `axis_names` to the mesh axes that the caller's
+    names map to under `rules` (default: the rules in context); a caller's name without a rule
+    (or None) leaves the dimension whole."""
+    check_axis_names(axis_names)
+    rules = tuple(nn.get_logical_axis_rules() if rules is None else rules)
+    out = []
+    for role, theirs in axis_names.items():
+        mesh_axes = None
+        if theirs is not None:
+            mesh_axes = next((axes for name, axes in rules if name == theirs), None)
+        out.append((ROLES[role], mesh_axes))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def use_axis_names(axis_names: Mapping | None):
+    """Within it, deltares' routing arrays shard as the caller's `axis_names` say (see module doc);
+    a no-op for None."""
+    if not axis_names:
+        yield
+        return
+    current = tuple(nn.get_logical_axis_rules())
+    with nn.logical_axis_rules(alias_rules(axis_names, current) + current):
+        yield

@@ -1,0 +1,54 @@
+"""Routing under the caller's sharding (deltares.nn.axes): a DepthStack under JAX's default mesh
+(Explicit axes, an explicitly sharded input) and under MaxText-style rule names with `axis_names`,
+on 8 simulated CPU devices, equals the stack without a mesh; with `axis_names` the source buffer
+is sharded as the caller's activations are, without it (names the rules do not know) it is not.
+The device count is fixed when JAX starts, so the checks run in tests/axis_names_worker.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deltares.nn.axes import alias_rules, check_axis_names
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODES = ("delta", "delta_block", "full_attnres")
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "axis_names_worker.py")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_explicit_mesh_equals_no_mesh(results, mode):
+    r = results[mode]
+    assert r["explicit_diff"] < 1e-5 * r["grad_scale"]  # values and every gradient
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_callers_axis_names_shard_the_buffer(results, mode):
+    r = results[mode]
+    assert r["named_diff"] < 1e-5 * r["grad_scale"]
+    assert r["specs_named"] == ["P(None, 'data', None, 'model')"]  # [S, B, T, D]: batch over data, D over model
+    assert r["specs_default"] == ["P(None, None, None, None)"]  # deltares' names unknown to these rules: whole
+
+
+def test_alias_rules_resolve_through_the_callers_rules():
+    rules = (("activation_batch", ("data", "fsdp")), ("activation_embed", "tensor"))
+    got = alias_rules(dict(batch="activation_batch", embed="activation_embed", length=None, sources="nope"), rules)
+    assert got == (("batch", ("data", "fsdp")), ("act_embed", "tensor"), ("length", None), ("sources", None))
+
+
+@pytest.mark.parametrize("bad,words", [({"batchh": "x"}, "unknown role"), ({"batch": 3}, "logical axis name"),
+                                       (["batch"], "must be a mapping")])
+def test_bad_axis_names_are_one_clear_error(bad, words):
+    with pytest.raises(ValueError, match=words):
+        check_axis_names(bad)

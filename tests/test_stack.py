@@ -6,7 +6,7 @@ Transformer in tests/test_own_model.py), on random weights and routers, in all f
 values and every gradient, for the store-once pass, plain autodiff and unrolled layers. The
 NNX stack equals the linen one on the same weights. The memory saving is the point: a user's
 16-layer `delta` stack keeps its compiled gradient temporaries within 1.1x of deltares' own
-Transformer at the same shapes, where the hand-written loop takes several times more.
+Transformer at the same shapes, where plain autodiff of the same scan takes several times more.
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def test_linen_stack_equals_the_written_out_loop(mode):
     params = _params(mode)
     want, want_grads = jax.jit(jax.value_and_grad(lambda p: _loss(reference(mode, p))))(params)
     variants = {"store_once": ({}, params), "plain": (dict(store_once=False), params),
-                "no_remat": (dict(remat=False), params), "unrolled": (dict(scan=False), _unrolled_params(params))}
+                "unrolled": (dict(scan=False), _unrolled_params(params))}
+    if mode in ("baseline", "delta"):  # no remat: plain autodiff of the scan without recomputation
+        variants["no_remat"] = (dict(remat=False), params)
     for name, (kw, p) in variants.items():
         stack = _stack(mode, **kw)
         got, grads = jax.jit(jax.value_and_grad(lambda p, stack=stack: _loss(stack.apply({"params": p}, E_BTD, SHIFT))))(p)
@@ -152,7 +154,7 @@ def test_nnx_stack_equals_linen_stack(mode):
     params = _params(mode)
     want, want_grads = jax.jit(jax.value_and_grad(lambda p: _loss(_stack(mode).apply({"params": p}, E_BTD, SHIFT))))(
         params)
-    for kw in ({}, dict(store_once=False), dict(remat=False)):
+    for kw in ({}, dict(store_once=False), dict(remat=False)) if mode == "delta_block" else ({},):
         stack = _nnx_stack(mode, params, **kw)
         got, grads = nnx.jit(nnx.value_and_grad(lambda m: _loss(m(E_BTD, SHIFT))))(stack)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -209,13 +211,15 @@ class StackGPT(nn.Module):
     """The examples' GPT with its layers as one DepthStack."""
 
     cfg: gpt_linen.GPTConfig
+    store_once: bool = True
 
     @nn.compact
     def __call__(self, tokens_BT):
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
         sublayers = (functools.partial(AttentionSublayer, cfg), functools.partial(MLPSublayer, cfg))
-        out_BTD = DepthStack(sublayers, cfg.n_layers, cfg.mode, name="stack")(embed(tokens_BT))
+        out_BTD = DepthStack(sublayers, cfg.n_layers, cfg.mode, store_once=self.store_once, name="stack")(
+            embed(tokens_BT))
         return embed.attend(gpt_linen.RMSNorm(cfg.eps, name="final_norm")(out_BTD))
 
 
@@ -235,8 +239,8 @@ def test_users_stack_keeps_the_store_once_saving():
     cfg = gpt_linen.GPTConfig(**MEM, mode="delta")
     transformer = Transformer(model_config(**MEM, n_kv_heads=MEM["n_heads"], head_dim=MEM["d_model"] // MEM["n_heads"],
                                            dtype="float32", remat="full", loss_chunk=0, residual=dict(mode="delta")))
-    ours, theirs, loop = (_temporaries(m, tokens) for m in (transformer, StackGPT(cfg), gpt_linen.GPT(cfg)))
+    ours, theirs, plain = (_temporaries(m, tokens) for m in (transformer, StackGPT(cfg), StackGPT(cfg, False)))
     print(f"gradient temporaries in [B, T, D] float32 units: Transformer {ours:.1f}, DepthStack {theirs:.1f}, "
-          f"the per-sublayer loop {loop:.1f}")
+          f"DepthStack(store_once=False) {plain:.1f}")
     assert theirs <= 1.1 * ours
-    assert loop > 2 * theirs  # the measure tells the store-once pass from plain autodiff
+    assert plain > 2 * theirs  # the measure tells the store-once pass from plain autodiff

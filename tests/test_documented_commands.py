@@ -228,14 +228,13 @@ STAND_INS = (
             "a template of the trainer's command: one instance, the smallest experiment"),
     StandIn(r"<scale>", "s220m", "a template over the scales: one instance (each scale has its own command)"),
     StandIn(r"<mode>", "delta_block", "a template over the modes: one instance"),
-    StandIn(r"v5p:2x2x2\|v5p:2x2x1", "v5p:2x2x1", "two alternatives: the smaller one"),
     StandIn(r" \[--json\]", " --json", "an optional flag: given"),
     StandIn(r"(?<=launch/tpu\.sh --dry-run) \.\.\.$",
             " --name my-tpu --zone us-east5-a --type v5p-16 --config experiments/s7b6.py:delta_block "
             "--workdir {bucket}/s7b6", "`...`: the arguments of the example above it"),
     StandIn(r"--config \.\.\. --workdir \.\.\.", "--config experiments/s220m.py:delta_block --workdir runs/x",
             "`...`: the arguments of the example above it"),
-    StandIn(r"(?<=\.py:delta) \.\.\. (?=--)|(?<=\.py:delta_block) \.\.\.$",
+    StandIn(r"(?<=\.py:delta_block) \.\.\.$",
             " --name my-tpu --zone us-east5-a --workdir {bucket}/run ",
             "`...` in the hardware table: the name, zone and workdir of the example above it"),
 )

@@ -234,7 +234,7 @@ STAND_INS = (
             "--workdir {bucket}/s7b6", "`...`: the arguments of the example above it"),
     StandIn(r"--config \.\.\. --workdir \.\.\.", "--config experiments/s220m.py:delta_block --workdir runs/x",
             "`...`: the arguments of the example above it"),
-    StandIn(r"(?<=\.py:delta_block) \.\.\.$",
+    StandIn(r"(?<=\.py:delta) \.\.\. (?=--)|(?<=\.py:delta_block) \.\.\.$",
             " --name my-tpu --zone us-east5-a --workdir {bucket}/run ",
             "`...` in the hardware table: the name, zone and workdir of the example above it"),
 )

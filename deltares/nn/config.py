@@ -8,7 +8,7 @@ error deep inside a compile.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ from ml_collections.config_dict import placeholder
 
 from deltares.nn.attention import ATTENTION_IMPLS
 
-MODES = ("baseline", "full_attnres", "block_attnres", "delta", "delta_block")
+Mode = Literal["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]  # a residual scheme
+MODES = get_args(Mode)
 BLOCK_MODES = ("block_attnres", "delta_block")
 REPLACEMENT_MODES = ("full_attnres", "block_attnres")
 ADDITIVE_MODES = ("delta", "delta_block")

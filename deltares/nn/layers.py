@@ -224,7 +224,7 @@ def init_router_params(d_model: int, gate: bool = False, null_source: bool = Fal
 def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *, impl: str = "xla",
                  interpret: bool = False, eps: float = routing.NORM_EPS, prefix=None):
     """A router's math on its parameters (`query`, `gain`, optionally `null_source`, `gate`: see
-    DepthRouter, ROUTER_AXES); shared by the linen and NNX DepthRouter and plain parameter dicts.
+    DepthRouter, ROUTER_PARAMS); shared by the linen and NNX DepthRouter and plain parameter dicts.
     Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel.
     `prefix` (two-phase routing): the routing over earlier sources, merged as in `routing.route_normalized`;
     that merge reads only a group's few intra-group sources and always runs in XLA (phase one, the read of

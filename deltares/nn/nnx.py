@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deltares.nn import routing
-from deltares.nn.config import MODES
+from deltares.nn.config import MODES, Mode
 from deltares.nn.depth import depth_scan
 from deltares.nn.layers import ROUTER_PARAMS, apply_router, router_param_names, router_param_shape
 
@@ -65,7 +65,7 @@ class DepthStack(nnx.Module):
     the store-once pass (deltares.nn.depth.depth_scan) unless `store_once=False`; `axis_names` your
     logical axis names of the stream and the source buffer (deltares.nn.axes)."""
 
-    def __init__(self, sublayers, n_layers: int, d_model: int, mode: str = "delta_block", *, block_layers: int = 1,
+    def __init__(self, sublayers, n_layers: int, d_model: int, mode: Mode = "delta_block", *, block_layers: int = 1,
                  include_partial: bool = True, gate: bool = False, null_source: bool = False,
                  epsilon: float = routing.NORM_EPS, remat: bool = True, store_once: bool = True,
                  names=("attn", "mlp"), axis_names=None, rngs: nnx.Rngs):

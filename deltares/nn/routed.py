@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from deltares.nn import routing as routing_math
 from deltares.nn.axes import check_axis_names, use_axis_names
+from deltares.nn.config import Mode
 from deltares.nn.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
 from deltares.nn.layers import DepthRouter, apply_router, init_router_params
 from deltares.nn.residual import ResidualPlan, make_plan
@@ -44,7 +45,7 @@ class DepthRouting:
     axis names for the roles `batch`, `length`, `embed`, `sources` of the stream and the source
     buffer (deltares.nn.axes; default deltares' own names and rules)."""
 
-    mode: str
+    mode: Mode
     n_layers: int
     block_layers: int = 1
     include_partial: bool = True

@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from deltares.nn import routing as routing_math
-from deltares.nn.config import MODES
+from deltares.nn.config import MODES, Mode
 from deltares.nn.depth import depth_scan, init_depth_state
 from deltares.nn.layers import DepthRouter
 from deltares.nn.routed import SUBLAYERS_PER_LAYER, DepthRouting
@@ -83,7 +83,7 @@ class DepthStack(nn.Module):
 
     sublayers: tuple
     n_layers: int
-    mode: str = "delta_block"
+    mode: Mode = "delta_block"
     block_layers: int = 1
     include_partial: bool = True
     gate: bool = False

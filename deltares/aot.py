@@ -427,6 +427,7 @@ def search(cfg, topology: str | None, mesh_override: str | None = None, config_n
         trial_cfg.model.remat, trial_cfg.model.loss_chunk = remat, chunk
         say(f"compiling with remat {remat}, loss_chunk {chunk} ...")
         r = analyze(trial_cfg, topology, mesh_override, config_name, gpu)
+        hbm = r["hbm_bytes"]
         trial = dict(remat=remat, loss_chunk=chunk, fits=r["fits"], per_device_bytes=r["per_device_bytes"])
         if estimate and r["fits"]:
             from deltares.training.step_time import estimate_step_time
@@ -437,7 +438,7 @@ def search(cfg, topology: str | None, mesh_override: str | None = None, config_n
         trials.append(trial)
     best = fastest_fitting(trials)
     return dict(config=config_name, scale=cfg.scale, mode=cfg.model.residual.mode, topology=topology, gpu=gpu,
-                hbm_bytes=r["hbm_bytes"], trials=trials, fastest=best,
+                hbm_bytes=hbm, trials=trials, fastest=best,
                 ranked_by="estimate" if best is not None and "seconds" in best else "order")
 
 

@@ -89,8 +89,7 @@ def _splash_local(q_BTHE, k_BTKE, v_BTKE, segments_BT, interpret: bool):
     q_BKQTE = (q_BTHE * E ** -0.5).astype(q_BTHE.dtype).reshape(B, T, K, Q, E).transpose(0, 2, 3, 1, 4)
     k_BKTE, v_BKTE = (x.transpose(0, 2, 1, 3) for x in (k_BTKE, v_BTKE))
     if segments_BT is None:
-        per_head = jax.vmap(mqa, in_axes=(0, 0, 0))
-        out_BKQTE = jax.vmap(per_head)(q_BKQTE, k_BKTE, v_BKTE)
+        out_BKQTE = jax.vmap(jax.vmap(mqa))(q_BKQTE, k_BKTE, v_BKTE)
     else:
         def one(q, k, v, seg):
             ids = kernel.SegmentIds(q=seg, kv=seg)

@@ -102,8 +102,9 @@ class DepthStack(nn.Module):
         return DepthRouting(self.mode, self.n_layers, self.block_layers, self.include_partial, self.epsilon,
                             None if self.axis_names is None else dict(self.axis_names))
 
-    def _layer(self, routing: DepthRouting, **kwargs) -> RoutedLayer:
-        return RoutedLayer(routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source, **kwargs)
+    def _layer_fields(self, routing: DepthRouting) -> tuple:
+        """RoutedLayer's fields: every layer of the stack is built from these."""
+        return routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source
 
     @nn.compact
     def __call__(self, e_BTD, *args):
@@ -118,10 +119,9 @@ class DepthStack(nn.Module):
             state = init_depth_state(e_BTD, routing.plan, self.epsilon, listed=True)
             layer_cls = nn.remat(RoutedLayer, static_argnums=(2,)) if self.remat else RoutedLayer
             for layer in range(self.n_layers):
-                state, _ = layer_cls(routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source,
-                                     name=f"layers_{layer}")(state, layer, *args)
+                state, _ = layer_cls(*self._layer_fields(routing), name=f"layers_{layer}")(state, layer, *args)
         elif self.remat and self.store_once and routing.uses_routers and not self.is_initializing():
-            layer = self._layer(routing, parent=None)
+            layer = RoutedLayer(*self._layer_fields(routing), parent=None)
 
             def layer_fn(params_l, state, index, only=None):
                 return layer.apply({"params": params_l}, state, index, *args, only=only)
@@ -133,8 +133,7 @@ class DepthStack(nn.Module):
             scanned = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                               in_axes=(0,) + (nn.broadcast,) * len(args), length=self.n_layers,
                               metadata_params={nn.PARTITION_NAME: "layers"})
-            layers = scanned(routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source,
-                             name="layers")
+            layers = scanned(*self._layer_fields(routing), name="layers")
             state, _ = layers(routing.start(e_BTD), jnp.arange(self.n_layers), *args)
         final_router = None
         if routing.uses_final_router:

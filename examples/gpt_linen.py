@@ -23,8 +23,7 @@ import optax
 from deltares.data.dataset import TokenData, train_dataset
 from deltares.data.documents import BUILTIN
 from deltares.data.prepare import prepare
-from deltares.nn.layers import DepthRouter
-from deltares.nn.routed import DepthRouting
+from deltares.nn import BLOCK_MODES, DepthRouter, DepthRouting
 
 init = nn.initializers.normal(stddev=0.02)
 
@@ -37,12 +36,13 @@ class GPTConfig:
     n_heads: int = 4
     d_ff: int = 128
     mode: str = "delta_block"  # any of deltares' five residual modes
-    block_layers: int = 2
+    block_layers: int = 2  # the block modes' block size (the other modes have no blocks)
     rope_theta: float = 1e6
     eps: float = 1e-6
 
     def routing(self) -> DepthRouting:
-        return DepthRouting(self.mode, self.n_layers, self.block_layers, eps=self.eps)
+        block_layers = self.block_layers if self.mode in BLOCK_MODES else 1
+        return DepthRouting(self.mode, self.n_layers, block_layers, epsilon=self.eps)
 
 
 def rms_norm(x, scale, eps):
@@ -105,7 +105,7 @@ class Block(nn.Module):
         routing = self.cfg.routing()
         for k, (name, sublayer) in enumerate((("attn", Attention(self.cfg, name="attn")), ("mlp", MLP(self.cfg, name="mlp")))):
             j = 2 * self.layer + k
-            x_BTD = routing.input(state, j, DepthRouter(eps=self.cfg.eps, name=f"{name}_router"))
+            x_BTD = routing.input(state, j, DepthRouter(epsilon=self.cfg.eps, name=f"{name}_router"))
             v_BTD = sublayer(RMSNorm(self.cfg.eps, name=f"{name}_norm")(x_BTD))
             state = routing.add(state, j, v_BTD)
         return state
@@ -121,7 +121,7 @@ class GPT(nn.Module):
         state = cfg.routing().start(embed(tokens_BT))
         for layer in range(cfg.n_layers):
             state = Block(cfg, layer, name=f"block_{layer}")(state)
-        out_BTD = cfg.routing().output(state, DepthRouter(eps=cfg.eps, name="final_router"))  # Kimi modes only
+        out_BTD = cfg.routing().output(state, DepthRouter(epsilon=cfg.eps, name="final_router"))  # Kimi modes only
         return embed.attend(RMSNorm(cfg.eps, name="final_norm")(out_BTD))
 
 

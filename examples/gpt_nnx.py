@@ -69,7 +69,7 @@ class Block(nnx.Module):
         self.attn, self.mlp = Attention(cfg, rngs), MLP(cfg, rngs)
         self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model, cfg.eps), RMSNorm(cfg.d_model, cfg.eps)
         routed = cfg.routing().uses_routers  # baseline has no routers
-        self.attn_router, self.mlp_router = (DepthRouter(cfg.d_model, eps=cfg.eps) if routed else None
+        self.attn_router, self.mlp_router = (DepthRouter(cfg.d_model, epsilon=cfg.eps) if routed else None
                                              for _ in range(2))
 
     def __call__(self, state):
@@ -87,7 +87,7 @@ class GPT(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, layer, rngs) for layer in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.eps)
-        self.final_router = DepthRouter(cfg.d_model, eps=cfg.eps) if cfg.routing().uses_final_router else None
+        self.final_router = DepthRouter(cfg.d_model, epsilon=cfg.eps) if cfg.routing().uses_final_router else None
 
     def __call__(self, tokens_BT):
         routing = self.cfg.routing()

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deltares.nn import DepthStack  # noqa: E402
+from deltares.nn import BLOCK_MODES, DepthStack  # noqa: E402
 
 D, L = 16, 3
 RULES = (("activation_batch", "data"), ("activation_length", None), ("activation_embed", "model"))
@@ -32,7 +32,7 @@ class Dense(nn.Module):
 
 
 def stack(mode, **kw):
-    return DepthStack((functools.partial(Dense, "tanh"), functools.partial(Dense, "sin")), L, mode, block_layers=2,
+    return DepthStack((functools.partial(Dense, "tanh"), functools.partial(Dense, "sin")), L, mode, block_layers=2 if mode in BLOCK_MODES else 1,
                       **kw)
 
 

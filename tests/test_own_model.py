@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deltares.nn.config import model_config
+from deltares.nn.config import BLOCK_MODES, model_config
 from deltares.nn.layers import DepthRouter as LinenRouter
 from deltares.nn.layers import init_router_params
 from deltares.nn.model import Transformer
@@ -140,7 +140,7 @@ def _sublayers_of(p):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_stack_store_once_equals_plain_ad_and_unrolled_loop(mode):
-    routing = DepthRouting(mode, n_layers=3, block_layers=2)
+    routing = DepthRouting(mode, n_layers=3, block_layers=2 if mode in BLOCK_MODES else 1)
     params_L = _stack_params()
     e_BTD = jax.random.normal(jax.random.key(9), (2, 3, 8))
     final = {"query": jnp.linspace(-1, 1, 8), "gain": jnp.ones(8)}
@@ -220,3 +220,43 @@ def test_example_trains_on_builtin_corpus(example, tmp_path):
     losses = example.train(cfg, steps=8, seq_len=32, batch=4, lr=1e-2, workdir=str(tmp_path))
     assert len(losses) == 8 and all(np.isfinite(losses))
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_block_size_and_router_width_errors_name_the_problem():
+    for mode in ("delta", "full_attnres", "baseline"):
+        with pytest.raises(ValueError, match=f"block_layers=3 means nothing in mode '{mode}'"):
+            DepthRouting(mode, n_layers=4, block_layers=3)
+    assert DepthRouting("delta_block", n_layers=4, block_layers=3).plan.n_slots == 3  # blocks of 3 and 1
+    sources_SBTD, inv_SBT, valid_S = jnp.ones((2, 1, 3, 8)), jnp.ones((2, 1, 3)), jnp.ones(2, bool)
+    linen_params = LinenRouter().init(jax.random.key(0), sources_SBTD, inv_SBT, valid_S)
+    narrow_SBTD = jnp.ones((2, 1, 3, 4))
+    for call in (lambda: LinenRouter().apply(linen_params, narrow_SBTD, inv_SBT, valid_S),
+                 lambda: DepthRouting("delta", n_layers=1).input(DepthRouting("delta", n_layers=1).start(narrow_SBTD[0]),
+                                                                 0, linen_params["params"]),
+                 lambda: NNXRouter(8)(narrow_SBTD, inv_SBT, valid_S)):
+        with pytest.raises(ValueError, match=r"shape \(8,\) on sources of width D=4"):
+            call()
+
+
+def test_router_takes_flax_style_dtype_and_initialisers():
+    sources_SBTD, inv_SBT, valid_S = jnp.ones((2, 1, 3, 8)), jnp.ones((2, 1, 3)), jnp.ones(2, bool)
+    router = LinenRouter(param_dtype=jnp.bfloat16, query_init=nn.initializers.constant(0.5), epsilon=1e-3)
+    params = nn.meta.unbox(router.init(jax.random.key(0), sources_SBTD, inv_SBT, valid_S)["params"])
+    assert params["query"].dtype == jnp.bfloat16 and float(params["query"][0]) == 0.5
+    nnx_router = NNXRouter(8, param_dtype=jnp.bfloat16, query_init=nn.initializers.constant(0.5), epsilon=1e-3)
+    assert nnx_router.query[...].dtype == jnp.bfloat16 and float(nnx_router.query[...][0]) == 0.5
+    for call in (lambda: router.apply({"params": params}, sources_SBTD, inv_SBT, valid_S),
+                 lambda: nnx_router(sources_SBTD, inv_SBT, valid_S)):
+        out_BTD, weights_SBT = call()
+        np.testing.assert_allclose(np.asarray(weights_SBT), 0.5)  # equal sources: equal weights, any query
+        np.testing.assert_allclose(np.asarray(out_BTD), 1.0)
+
+
+def test_small_model_config_works_as_it_stands():
+    cfg = model_config(n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32, vocab_size=11)
+    assert cfg.residual.mode == "delta_block" and cfg.residual.block_layers == 2
+    tokens_BT = jnp.zeros((1, 4), jnp.int32)
+    logits = Transformer(cfg).apply(Transformer(cfg).init(jax.random.key(0), tokens_BT), tokens_BT)
+    assert logits.shape == (1, 4, 11)
+    with pytest.raises(ValueError, match="block_layers"):  # a block size given explicitly is still checked
+        Transformer(model_config(n_layers=2, residual=dict(block_layers=3)))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deltares.nn.config import model_config
+from deltares.nn.config import BLOCK_MODES, model_config
 from deltares.nn.layers import DepthRouter
 from deltares.nn.model import Transformer
 from deltares.nn.nnx import DepthStack as NNXDepthStack
@@ -78,7 +78,7 @@ def _random_routers(params, seed=1):
 
 
 def _stack(mode, **kw):
-    return DepthStack(SUBLAYERS, L, mode, block_layers=2, **kw)
+    return DepthStack(SUBLAYERS, L, mode, block_layers=2 if mode in BLOCK_MODES else 1, **kw)
 
 
 def _params(mode):
@@ -91,7 +91,7 @@ def _loss(out_BTD):
 
 def reference(mode, params):
     """The stack written out: DepthRouting's per-sublayer API over the stacked parameters."""
-    routing = DepthRouting(mode, L, 2)
+    routing = DepthRouting(mode, L, 2 if mode in BLOCK_MODES else 1)
     state = routing.start(E_BTD)
     for layer in range(L):
         p = jax.tree.map(lambda a, layer=layer: a[layer], params["layers"])
@@ -137,7 +137,7 @@ def test_linen_stack_equals_the_written_out_loop(mode):
 
 
 def _nnx_stack(mode, params, **kw):
-    stack = NNXDepthStack(lambda rngs: (NNXDense("tanh", rngs), NNXDense("sin", rngs)), L, D, mode, block_layers=2,
+    stack = NNXDepthStack(lambda rngs: (NNXDense("tanh", rngs), NNXDense("sin", rngs)), L, D, mode, block_layers=2 if mode in BLOCK_MODES else 1,
                           rngs=nnx.Rngs(0), **kw)
     state = nnx.state(stack, nnx.Param)
     pure = {"layers": {name: ({"w": params["layers"][name]["w"]} if name in ("attn", "mlp") else

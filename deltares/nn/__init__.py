@@ -24,11 +24,11 @@ width]); each letter means one thing across deltares/ and kernels_pallas/:
     1  an axis of size 1 (kept for broadcasting)
 """
 
-from deltares.nn.config import MODES, Mode, model_config
+from deltares.nn.config import BLOCK_MODES, MODES, Mode, model_config
 from deltares.nn.layers import DepthRouter
 from deltares.nn.model import Transformer
 from deltares.nn.routed import DepthRouting
 from deltares.nn.routing import depth_route
 from deltares.nn.stack import DepthStack
 
-__all__ = ["MODES", "Mode", "DepthRouter", "DepthRouting", "DepthStack", "Transformer", "depth_route", "model_config"]
+__all__ = ["BLOCK_MODES", "MODES", "Mode", "DepthRouter", "DepthRouting", "DepthStack", "Transformer", "depth_route", "model_config"]

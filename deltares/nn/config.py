@@ -189,8 +189,12 @@ def describe(fields, prefix: str) -> str:
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
     """A `config.model` with Qwen3 defaults (MODEL_FIELDS); `overrides` set any field
-    (`residual=dict(...)` its residual fields)."""
-    return build_config(MODEL_FIELDS, overrides)
+    (`residual=dict(...)` its residual fields). Unless given, the block size is at most the depth,
+    so that a small model (`model_config(n_layers=2)`) is valid as it stands."""
+    cfg = build_config(MODEL_FIELDS, overrides)
+    if "block_layers" not in (overrides.get("residual") or {}):
+        cfg.residual.block_layers = min(cfg.residual.block_layers, cfg.n_layers)
+    return cfg
 
 
 def validate_model_config(cfg) -> None:

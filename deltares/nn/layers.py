@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -29,7 +30,7 @@ def _param_init(init, names):
 class RMSNorm(nn.Module):
     """x / rms(x) * scale, computed in float32, returned in `dtype`."""
 
-    eps: float = 1e-6
+    epsilon: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -37,7 +38,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         scale = self.param("scale", _param_init(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
         return (y * scale.astype(jnp.float32)).astype(self.dtype)
 
 
@@ -128,7 +129,7 @@ class Attention(nn.Module):
         q_BTHE = proj("q_proj", self.n_heads, ("embed", "heads", "head_dim"))(x_BTD)
         k_BTKE = proj("k_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
         v_BTKE = proj("v_proj", self.n_kv_heads, ("embed", "kv", "head_dim"))(x_BTD)
-        norm = dict(eps=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = dict(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         q_BTHE = apply_rope(RMSNorm(name="q_norm", **norm)(q_BTHE), rope.cos, rope.sin)
         k_BTKE = apply_rope(RMSNorm(name="k_norm", **norm)(k_BTKE), rope.cos, rope.sin)
         q_BTHE = nn.with_logical_constraint(q_BTHE, ("batch", "length", "heads", "head_dim"))
@@ -174,27 +175,36 @@ class DepthRouter(nn.Module):
     For converting pretrained checkpoints (docs/explanations/modes.md): `gate` adds a scalar
     gate (zeros) on the routed term, `residual + gate * route`, so a converted model
     computes exactly the pretrained function at step 0; `null_source` adds the paper's
-    learned null source (zeros) to every routing. `eps` is the key norm's (config.model.norm_eps,
+    learned null source (zeros) to every routing. `epsilon` is the key norm's (config.model.norm_eps,
     the one the cached 1/rms was computed with); it also normalises the null source and, in
-    the kernel, every source.
+    the kernel, every source. `param_dtype`, `query_init`, `gain_init`: as in flax's layers
+    (the defaults are the paper's: a zero query routes uniformly at step 0). The output has the
+    sources' dtype; logits and softmax are float32.
     """
 
     gate: bool = False
     null_source: bool = False
     impl: str = "xla"  # else the fused Pallas kernel ("pallas": best for the backend), which returns no weights
     interpret: bool = False  # run the kernel in Pallas interpret mode (CPU tests)
-    eps: float = routing.NORM_EPS
+    epsilon: float = routing.NORM_EPS
+    param_dtype: Dtype = jnp.float32
+    query_init: Callable = nn.initializers.zeros
+    gain_init: Callable = nn.initializers.ones
 
     @nn.compact
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         if self.gate and residual_BTD is None:
             raise ValueError("a routing gate needs additive routing (a residual)")
         D = sources_SBTD[0].shape[-1]  # an array [S, B, T, D] or S arrays [B, T, D]
-        params = {name: self.param(name, _param_init(ROUTER_PARAMS[name][0], ROUTER_PARAMS[name][1]),
-                                   router_param_shape(name, D), jnp.float32)
+        for name in router_param_names(self.gate, self.null_source):
+            if self.has_variable("params", name):
+                _check_width(name, jnp.shape(nn.meta.unbox(self.get_variable("params", name))), D)
+        inits = dict(query=self.query_init, gain=self.gain_init)
+        params = {name: self.param(name, _param_init(inits.get(name, ROUTER_PARAMS[name][0]), ROUTER_PARAMS[name][1]),
+                                   router_param_shape(name, D), self.param_dtype)
                   for name in router_param_names(self.gate, self.null_source)}
         return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
-                            interpret=self.interpret, eps=self.eps, prefix=prefix)
+                            interpret=self.interpret, eps=self.epsilon, prefix=prefix)
 
 
 # A router's parameters (float32): name -> (initialiser, logical axis names); shape [D], the gate [1].
@@ -214,6 +224,13 @@ def router_param_shape(name: str, d_model: int) -> tuple[int]:
     return (1,) if name == "gate" else (d_model,)
 
 
+def _check_width(name: str, shape, d_model: int) -> None:
+    """ValueError unless a router parameter's `shape` fits sources of width `d_model`."""
+    if tuple(shape) != router_param_shape(name, d_model):
+        raise ValueError(f"a router parameter {name} of shape {tuple(shape)} on sources of width D={d_model}: "
+                         f"expected {router_param_shape(name, d_model)} (a router built for another model width?)")
+
+
 def init_router_params(d_model: int, gate: bool = False, null_source: bool = False) -> dict:
     """A router's initial parameters as a plain dict (for `apply_router` in a plain-JAX model)."""
     key = jax.random.key(0)  # the router initialisers are constants
@@ -229,7 +246,10 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     `prefix` (two-phase routing): the routing over earlier sources, merged as in `routing.route_normalized`;
     that merge reads only a group's few intra-group sources and always runs in XLA (phase one, the read of
     the whole buffer, is `route_prefix`, fused under a kernel `impl`)."""
+    params = nn.meta.unbox(params)  # also a linen `init`'s boxed parameters
     query, gain, null, gate = params["query"], params["gain"], params.get("null_source"), params.get("gate")
+    for name, value in params.items():
+        _check_width(name, jnp.shape(value), sources_SBTD[0].shape[-1])
     if gate is not None and residual_BTD is None:
         raise ValueError("a routing gate needs additive routing (a residual)")
     inner_residual = residual_BTD if gate is None else None

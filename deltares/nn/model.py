@@ -139,7 +139,7 @@ class Transformer(nn.Module):
         if plan.replaces_stream:
             res = cfg.residual
             final_router = DepthRouter(impl=res.impl, interpret=res.interpret,
-                                       eps=cfg.norm_eps, name="final_router")
+                                       epsilon=cfg.norm_eps, name="final_router")
         else:
             final_router = None
         out_BTD = stack_output(plan, state, final_router)

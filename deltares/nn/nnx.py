@@ -27,28 +27,31 @@ class DepthRouter(nnx.Module):
     """One sublayer's routing parameters on a model dimension `d_model`; see deltares.nn.layers.DepthRouter."""
 
     def __init__(self, d_model: int, *, gate: bool = False, null_source: bool = False, impl: str = "xla",
-                 interpret: bool = False, eps: float = routing.NORM_EPS):
+                 interpret: bool = False, epsilon: float = routing.NORM_EPS, param_dtype=jnp.float32,
+                 query_init=nnx.initializers.zeros, gain_init=nnx.initializers.ones, rngs: nnx.Rngs | None = None):
         self.param_names = router_param_names(gate, null_source)
-        self.impl, self.interpret, self.eps = impl, interpret, eps
+        self.impl, self.interpret, self.epsilon = impl, interpret, epsilon
+        inits = dict(query=query_init, gain=gain_init)
+        key = rngs.params() if rngs is not None else jax.random.key(0)  # the default initialisers are constants
         for name in self.param_names:
             init, axes = ROUTER_PARAMS[name]
-            value = init(None, router_param_shape(name, d_model), jnp.float32)
+            value = inits.get(name, init)(key, router_param_shape(name, d_model), param_dtype)
             setattr(self, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
 
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         params = {name: getattr(self, name)[...] for name in self.param_names}
         return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
-                            interpret=self.interpret, eps=self.eps, prefix=prefix)
+                            interpret=self.interpret, eps=self.epsilon, prefix=prefix)
 
 
 class StackLayer(nnx.Module):
     """One layer of an NNX `DepthStack`: sublayer `names[k]` and its router `names[k] + "_router"`."""
 
-    def __init__(self, sublayers, names, d_model: int, routed: bool, gate: bool, null_source: bool, eps: float):
+    def __init__(self, sublayers, names, d_model: int, routed: bool, gate: bool, null_source: bool, epsilon: float):
         self.names = tuple(names)
         for name, module in zip(self.names, sublayers):
             setattr(self, name, module)
-            setattr(self, f"{name}_router", DepthRouter(d_model, gate=gate, null_source=null_source, eps=eps)
+            setattr(self, f"{name}_router", DepthRouter(d_model, gate=gate, null_source=null_source, epsilon=epsilon)
                     if routed else None)
 
     def pairs(self, args):
@@ -90,7 +93,7 @@ class DepthStack(nnx.Module):
             return StackLayer(made, names, d_model, routed, gate, null_source, epsilon)
 
         self.layers = create(rngs)
-        self.final_router = DepthRouter(d_model, eps=epsilon) if self.routing.uses_final_router else None
+        self.final_router = DepthRouter(d_model, epsilon=epsilon) if self.routing.uses_final_router else None
 
     def __call__(self, e_BTD, *args):
         graphdef, state_L = nnx.split(self.layers)
@@ -102,7 +105,7 @@ class DepthStack(nnx.Module):
         with routing_.names():
             depth = routing_.start(e_BTD)
             if self.remat and self.store_once and routing_.uses_routers:
-                depth, _ = depth_scan(layer_fn, state_L, depth, routing_.plan, eps=routing_.eps)
+                depth, _ = depth_scan(layer_fn, state_L, depth, routing_.plan, eps=routing_.epsilon)
             else:
                 step = jax.checkpoint(layer_fn) if self.remat else layer_fn
                 depth = jax.lax.scan(lambda d, xs: step(xs[0], d, xs[1]), depth,

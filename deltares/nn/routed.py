@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from deltares.nn import routing as routing_math
 from deltares.nn.axes import check_axis_names, use_axis_names
-from deltares.nn.config import Mode
+from deltares.nn.config import BLOCK_MODES, MODES, Mode
 from deltares.nn.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
 from deltares.nn.layers import DepthRouter, apply_router, init_router_params
 from deltares.nn.residual import ResidualPlan, make_plan
@@ -41,7 +41,7 @@ SUBLAYERS_PER_LAYER = 2  # attention, then MLP
 @dataclasses.dataclass(frozen=True)
 class DepthRouting:
     """The residual scheme of a stack of `n_layers` layers (no parameters: those live in the
-    routers). `eps` is the key norm's epsilon (the model's norm eps). `axis_names`: your logical
+    routers). `epsilon` is the key norm's (config.model.norm_eps). `axis_names`: your logical
     axis names for the roles `batch`, `length`, `embed`, `sources` of the stream and the source
     buffer (deltares.nn.axes; default deltares' own names and rules)."""
 
@@ -49,12 +49,14 @@ class DepthRouting:
     n_layers: int
     block_layers: int = 1
     include_partial: bool = True
-    eps: float = routing_math.NORM_EPS
+    epsilon: float = routing_math.NORM_EPS
     axis_names: Any = None
 
     plan: ResidualPlan = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown residual mode {self.mode!r}; allowed: {', '.join(MODES)}")
         check_axis_names(self.axis_names)
         if self.axis_names is not None:  # hashable, as a module attribute must be
             object.__setattr__(self, "axis_names", tuple(sorted(dict(self.axis_names).items())))
@@ -62,13 +64,17 @@ class DepthRouting:
             raise ValueError(f"n_layers={self.n_layers!r} must be a positive integer")
         if not isinstance(self.block_layers, int) or not 1 <= self.block_layers <= self.n_layers:
             raise ValueError(f"block_layers={self.block_layers!r} must be an integer in [1, n_layers={self.n_layers}]")
+        if self.block_layers != 1 and self.mode not in BLOCK_MODES:
+            raise ValueError(f"block_layers={self.block_layers} means nothing in mode {self.mode!r}: only the block "
+                             f"modes ({', '.join(BLOCK_MODES)}) have blocks; leave it at 1")
         object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial))
 
     @classmethod
     def from_config(cls, model_cfg) -> DepthRouting:
         """The routing of a deltares `config.model`."""
         res = model_cfg.residual
-        return cls(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial, model_cfg.norm_eps)
+        block_layers = res.block_layers if res.mode in BLOCK_MODES else 1  # one field for every mode of an experiment
+        return cls(res.mode, model_cfg.n_layers, block_layers, res.include_partial, model_cfg.norm_eps)
 
     @property
     def uses_routers(self) -> bool:
@@ -92,7 +98,7 @@ class DepthRouting:
     def start(self, e_BTD) -> DepthState:
         """The depth state before sublayer 0: stream e, and e in source slot 0."""
         with self.names():
-            return init_depth_state(e_BTD, self.plan, self.eps)
+            return init_depth_state(e_BTD, self.plan, self.epsilon)
 
     def input(self, state: DepthState, j, router=None, *, return_weights: bool = False, final: bool = False):
         """Sublayer j's input x_j [B, T, D]; with `return_weights` also (weights [S, B, T] or None).
@@ -104,14 +110,14 @@ class DepthRouting:
         self._check_index(j)
         router = self._callable(router)
         with self.names():
-            x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router), self.eps, final)
+            x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router), self.epsilon, final)
         return (x_BTD, weights_SBT) if return_weights else x_BTD
 
     def add(self, state: DepthState, j, v_BTD) -> DepthState:
         """Adds sublayer j's delta v_j to the stream and to its source slot."""
         self._check_index(j)
         with self.names():
-            return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.eps)
+            return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.epsilon)
 
     def output(self, state: DepthState, final_router=None):
         """The stack's output before the final norm (Kimi modes: routed with `final_router`)."""
@@ -131,7 +137,7 @@ class DepthRouting:
 
         if only is not None:  # sublayer `only` alone on `state` (holding the final buffer)
             v_BTD = delta(only, state, final=True)
-            return v_BTD, routing_math.inv_rms(v_BTD, self.eps)
+            return v_BTD, routing_math.inv_rms(v_BTD, self.epsilon)
         for k in range(SUBLAYERS_PER_LAYER):
             state = self.add(state, SUBLAYERS_PER_LAYER * layer + k, delta(k, state))
         return state, None
@@ -149,7 +155,7 @@ class DepthRouting:
         state = self.start(e_BTD)
         if store_once and self.uses_routers:
             with self.names():
-                return depth_scan(layer_fn, params_L, state, self.plan, eps=self.eps)[0]
+                return depth_scan(layer_fn, params_L, state, self.plan, eps=self.epsilon)[0]
         step = jax.checkpoint(layer_fn) if remat else layer_fn
 
         def body(state, xs):
@@ -158,19 +164,19 @@ class DepthRouting:
         return jax.lax.scan(body, state, (params_L, jnp.arange(self.n_layers)))[0]
 
     def _callable(self, router):
-        """A router as a callable: parameter dicts go through apply_router with this eps."""
+        """A router as a callable: parameter dicts go through apply_router with this epsilon."""
         if isinstance(router, Mapping):
-            return _ParamRouter(router, self.eps)
+            return _ParamRouter(router, self.epsilon)
         return router
 
 
 @dataclasses.dataclass(frozen=True)
 class _ParamRouter:
     params: Mapping
-    eps: float
+    epsilon: float
 
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
-        return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.eps, prefix=prefix)
+        return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.epsilon, prefix=prefix)
 
 
 def _has_null(router) -> bool:

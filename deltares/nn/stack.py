@@ -63,7 +63,7 @@ class RoutedLayer(nn.Module):
             body = factory(name=name)
             router = None
             if self.routing.uses_routers:
-                router = DepthRouter(self.gate, self.null_source, eps=self.routing.eps, name=f"{name}_router")
+                router = DepthRouter(self.gate, self.null_source, epsilon=self.routing.epsilon, name=f"{name}_router")
             pairs.append((router, lambda x, body=body: body(x, *args)))
         return self.routing.layer(state, layer, pairs, only=only)
 
@@ -137,7 +137,7 @@ class DepthStack(nn.Module):
             state, _ = layers(routing.start(e_BTD), jnp.arange(self.n_layers), *args)
         final_router = None
         if routing.uses_final_router:
-            final_router = DepthRouter(eps=self.epsilon, name="final_router")
+            final_router = DepthRouter(epsilon=self.epsilon, name="final_router")
         return routing.output(state, final_router)
 
 

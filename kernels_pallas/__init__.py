@@ -4,6 +4,10 @@
 
 Each kernel's public entry point takes `implementation=` ("xla", "pallas_tpu", "pallas_gpu",
 "pallas" = the target platform's kernel) and falls back to the XLA reference when a kernel cannot run.
+
+The package stands alone: it imports jax, never deltares (each kernel's oracle is its own
+reference.py; deltares' tests hold it to deltares' routing). Only the benchmark's train-step table
+(depth_route/bench.py) runs deltares' model.
 """
 
 from __future__ import annotations

@@ -303,3 +303,35 @@ def test_model_with_kernel_equals_xla(mode, impl, norm_eps, group, monkeypatch):
     (loss_x, grads_x), (loss_k, grads_k) = results
     assert float(loss_k) == pytest.approx(float(loss_x), rel=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5), grads_x, grads_k)
+
+
+def test_kernel_package_is_standalone_and_its_oracle_is_deltares_routing():
+    """kernels_pallas imports nothing of deltares; its own reference ("xla") computes what
+    deltares.nn.routing computes, forward and backward, with every kind of mask."""
+    code = "import sys, kernels_pallas.depth_route as k; k.depth_route; print(sorted(m for m in sys.modules if m.startswith('deltares')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    from kernels_pallas.depth_route import reference  # noqa: PLC0415
+
+    S, B, T, D = 5, 2, 3, 16
+    for mask in ("all", "one", "random", "tokens", "broadcast"):
+        sources, valid, query, gain, residual = make_inputs(S, B, T, D, jnp.float32, mask, True, seed=3)
+        for res in (None, residual):
+            def ours(s, q, g, res=res):
+                return jnp.sum(jnp.sin(reference.depth_route(s, valid, q, g, res, eps=1e-3)))
+
+            def theirs(s, q, g, res=res):
+                return jnp.sum(jnp.sin(routing.depth_route(s, valid, q, g, res, eps=1e-3)))
+
+            for a, b in zip(jax.grad(ours, (0, 1, 2))(sources, query, gain), jax.grad(theirs, (0, 1, 2))(sources, query, gain)):
+                np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+            np.testing.assert_allclose(reference.depth_route(sources, valid, query, gain, res),
+                                       routing.depth_route(sources, valid, query, gain, res), atol=1e-6, rtol=1e-6)
+    valid_KS = jnp.array([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
+    queries, gains = jax.random.normal(jax.random.key(1), (2, 3, D))
+    got = reference.route_prefix(sources, valid_KS, queries, gains, eps=1e-3)
+    want = routing.route_prefix(sources, routing.inv_rms(sources, 1e-3), valid_KS, queries, gains)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="query must have shape"):
+        reference.depth_route(sources, valid, query[:3], gain)

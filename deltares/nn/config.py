@@ -16,6 +16,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from deltares.nn.attention import ATTENTION_IMPLS
+from kernels_pallas.depth_route.api import IMPLEMENTATIONS as ROUTING_IMPLS  # config.model.residual.impl
 
 Mode = Literal["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]  # a residual scheme
 MODES = get_args(Mode)
@@ -29,9 +30,6 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # routed modes: as "full" (store-once pass)
 }
-# config.model.residual.impl, also kernels_pallas.depth_route's `implementation`: "pallas" is the
-# kernel of the target platform (falling back to xla where none runs), the others force one.
-ROUTING_IMPLS = ("xla", "pallas", "pallas_tpu", "pallas_gpu")
 POSITIVE = "positive"  # Field.allowed for a number > 0
 NON_NEGATIVE = "non-negative"
 

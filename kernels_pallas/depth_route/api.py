@@ -3,7 +3,7 @@
     z_i = w . RMSNorm_g(s_i)    a = softmax_i(z) over valid sources    out = [residual +] sum_i a_i s_i
 
 `depth_route(sources, valid, query, gain, residual=None, *, implementation="pallas")` means what
-`deltares.nn.routing.depth_route` means (the oracle, here the "xla" implementation) and returns
+`reference.depth_route` means (the oracle, here the "xla" implementation) and returns
 the output only, in the sources' dtype. The kernels ("pallas_tpu": Mosaic, "pallas_gpu":
 Triton) make one pass over the sources per token tile: each source's 1/rms and logit against
 q = w * g, and a float32 online softmax (running max, sum and weighted sum), then the residual
@@ -28,7 +28,7 @@ Two-phase routing (Kimi; docs/explanations/store-once.md, "Two-phase grouped rou
 pseudo-queries do not depend on the input, so for the K sublayers of a group the routing over
 the sources completed before the group is one read of those sources:
 `route_prefix(sources, valid [K, S], queries [K, D], gains [K, D])` returns each query's routed
-output and log-sum-exp (float32; the oracle is `deltares.nn.routing.route_prefix`). Its kernels
+output and log-sum-exp (float32; the oracle is `reference.route_prefix`). Its kernels
 keep K online softmaxes per token tile (on TPU the logits of the K queries are one matmul per
 source tile, the K float32 accumulators are the output block itself), and the backward reads the
 valid sources once more: with c_k = dout_k . out_k - dlse_k from the saved output,
@@ -47,10 +47,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from deltares.nn import routing
-from deltares.nn.config import ROUTING_IMPLS as IMPLEMENTATIONS  # one spelling: config.model.residual.impl
 from kernels_pallas import varying_axes, vary_like
 from kernels_pallas.depth_route import reference
+from kernels_pallas.depth_route.reference import NORM_EPS
+
+# "pallas": the target platform's kernel (falling back to xla where none runs); the others force one.
+# deltares' config.model.residual.impl takes these values.
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_tpu", "pallas_gpu")
 
 _PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 _WARNED: set[str] = set()
@@ -100,16 +103,9 @@ def _resolve(implementation, interpret, N, D, dtype, K=None) -> str:
     return impl
 
 
-def _check(sources, valid, query, gain, residual, eps) -> None:
-    """The oracle's own argument checks (ValueError naming the argument), on shapes only."""
-    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                           (sources, valid, query, gain, residual))
-    jax.eval_shape(functools.partial(routing.depth_route, eps=eps), *structs)
-
-
 def _masks(valid, S, B, T):
     """(valid_S int32, additive bias [S, B*T] float32 or None for a per-source mask)."""
-    v = jnp.asarray(valid, bool).reshape(routing._mask_shape(valid, S))
+    v = reference.valid_mask(valid, S)
     if v.shape[1:] == (1, 1):
         return jnp.broadcast_to(v[:, 0, 0], (S,)).astype(jnp.int32), None
     v_SN = jnp.broadcast_to(v, (S, B, T)).reshape(S, B * T)
@@ -140,7 +136,7 @@ _route.defvjp(_route_fwd, _route_bwd)
 
 
 def depth_route(sources, valid, query, gain, residual=None, *, implementation="pallas", interpret=False,
-                eps=routing.NORM_EPS):
+                eps=NORM_EPS):
     """Route over `sources` [S, B, T, D] (see the module docstring); returns [B, T, D].
 
     implementation: "xla", "pallas" (the kernel of the target platform), "pallas_tpu" or "pallas_gpu".
@@ -151,7 +147,7 @@ def depth_route(sources, valid, query, gain, residual=None, *, implementation="p
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     valid = jnp.asarray(valid, bool)
-    _check(sources, valid, query, gain, residual, eps)
+    reference.check(sources, valid, query, gain, residual)
     S, B, T, D = sources.shape
     impl = _resolve(implementation, interpret, B * T, D, sources.dtype)
     if impl == "xla":
@@ -219,21 +215,16 @@ def _prefix_args(sources, valid, queries, gains, implementation, interpret):
     return impl, [sources.reshape(S, B * T, D), valid.any(axis=0).astype(jnp.int32), bias_SK, q_KD]
 
 
-def _xla_prefix(sources, valid, queries, gains, eps):
-    out, lse = routing.route_prefix(sources, routing.inv_rms(sources, eps), jnp.asarray(valid, bool), queries, gains)
-    return out.astype(jnp.float32), lse.astype(jnp.float32)
-
-
-def route_prefix(sources, valid, queries, gains, *, implementation="pallas", interpret=False, eps=routing.NORM_EPS):
+def route_prefix(sources, valid, queries, gains, *, implementation="pallas", interpret=False, eps=NORM_EPS):
     """Phase one of two-phase routing: K queries `queries`, `gains` [K, D] over `sources`
     [S, B, T, D] in one read, query k over the sources of `valid` [K, S] (at least one each).
     Returns (out [K, B, T, D], lse [K, B, T]), float32: each query's routing and the log-sum-exp
-    of its logits, what `deltares.nn.routing.route_normalized(prefix=)` merges (the oracle is
-    `deltares.nn.routing.route_prefix`, the "xla" implementation). Differentiable in sources,
+    of its logits, what deltares' routing merges with a sublayer's other sources (the oracle is
+    `reference.route_prefix`, the "xla" implementation). Differentiable in sources,
     queries and gains; the backward is one more read of the valid sources (writes ds once)."""
     impl, args = _prefix_args(sources, valid, queries, gains, implementation, interpret)
     if args is None:
-        return _xla_prefix(sources, valid, queries, gains, eps)
+        return reference.route_prefix(sources, valid, queries, gains, eps=eps)
     K, (S, B, T, D) = queries.shape[0], sources.shape
     args = vary_like(args, frozenset().union(*(varying_axes(x) for x in args)))
     out_KND, lse_KN = _prefix((impl, float(eps), interpret), *args)
@@ -241,7 +232,7 @@ def route_prefix(sources, valid, queries, gains, *, implementation="pallas", int
 
 
 def route_prefix_grad_into(d_sources, sources, valid, queries, gains, out, lse, d_out, d_lse, *,
-                           implementation="pallas", interpret=False, eps=routing.NORM_EPS):
+                           implementation="pallas", interpret=False, eps=NORM_EPS):
     """`route_prefix`'s VJP with the sources' cotangent added into `d_sources` [S, B, T, D]: given the
     forward's (out, lse) and their cotangents, returns (d_sources + d sources, d queries, d gains).
     The kernels write `d_sources` in place (an aliased output), touching only slots some query reads,
@@ -249,7 +240,7 @@ def route_prefix_grad_into(d_sources, sources, valid, queries, gains, out, lse, 
     must return); "xla" adds `jax.vjp`'s result."""
     impl, args = _prefix_args(sources, valid, queries, gains, implementation, interpret)
     if args is None:
-        _, vjp = jax.vjp(lambda s, q, g: _xla_prefix(s, valid, q, g, eps), sources, queries, gains)
+        _, vjp = jax.vjp(lambda s, q, g: reference.route_prefix(s, valid, q, g, eps=eps), sources, queries, gains)
         ds, dq, dg = vjp((d_out.astype(jnp.float32), d_lse.astype(jnp.float32)))
         return d_sources + ds.astype(d_sources.dtype), dq, dg
     K, (S, B, T, D) = queries.shape[0], sources.shape

@@ -323,33 +323,20 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
             v_attn, attn_vjp = jax.vjp(lambda p, h, *rest: delta(p, h, *rest, 0), params_l, h_l, *primals)
             v_attn = v_attn[0]
         else:
-            v_attn = final.sources_SBTD[row(plan.write, 2 * layer, seg)]
-        h_mid = h_l + v_attn.astype(h_l.dtype)
-        d_params_l = None
-        for k, h_in in ((1, h_mid), (0, h_l)):
-            j = 2 * layer + k
-            slot = row(plan.write, j, seg)
-            if block:
-                if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
-                    d_h, d_block = _closed_block_cotangent(final, d_sources, d_inv, slot,
-                                                           row(plan.closes_block, j, seg), d_h, d_block, eps)
-                d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
-            else:
-                d_v, d_v_inv = (d_h + d_sources[slot]).astype(h_in.dtype), d_inv[slot]
-            if block and k == 0:
-                vjp = attn_vjp
-            else:
-                _, vjp = jax.vjp(lambda p, h, *rest, k=k: delta(p, h, *rest, k), params_l, h_in, *primals)
-            d_p, d_h_in, d_src, d_inv_k, d_block_k = vjp((d_v, d_v_inv))
-            d_h = d_h + d_h_in
-            d_sources, d_inv = d_sources.at[:n].add(d_src), d_inv.at[:n].add(d_inv_k)
-            if block:
-                d_block = d_block + d_block_k.astype(d_block.dtype)
-                if k == 0:  # only an attention sublayer can open a block; h_block is its input h_j
-                    opens_j = row(plan.opens_block, j, seg)
-                    d_h = _select(opens_j, d_h + d_block.astype(d_h.dtype), d_h)
-                    d_block = _select(opens_j, jnp.zeros_like(d_block), d_block)
-            d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
+            v_attn, attn_vjp = final.sources_SBTD[row(plan.write, 2 * layer, seg)], None
+        def vjp_of(k, h_in):
+            return jax.vjp(lambda p, h, *rest: delta(p, h, *rest, k), params_l, h_in, *primals)[1]
+
+        def absorb(acc, d_reads):  # the reads' cotangents: the segment's slots
+            (d_sources, d_inv), (d_src, d_inv_k) = acc, d_reads
+            return d_sources.at[:n].add(d_src), d_inv.at[:n].add(d_inv_k)
+
+        def slot_cotangent(acc, k, slot):
+            return acc[0][slot], acc[1][slot]
+
+        d_h, d_block, d_params_l, (d_sources, d_inv) = _layer_backward(
+            plan, seg, layer, h_l, v_attn, attn_vjp, vjp_of, absorb, slot_cotangent, final, d_h, d_block,
+            (d_sources, d_inv), eps)
         return (d_h, d_sources, d_inv, d_block), d_params_l
 
     d_block0 = d_final.h_block_BTD if block else None
@@ -362,6 +349,43 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
         d_params.insert(0, d_params_s)
     d_params = jax.tree.map(lambda *a: jnp.concatenate(a), *d_params)
     return d_params, _initial_cotangent(plan, *carry, d_final.sources_SBTD.dtype)
+
+
+def _layer_backward(plan: ResidualPlan, seg: Segment | None, layer, h_l, v_attn, attn_vjp, vjp_of, absorb,
+                    slot_cotangent, final: DepthState, d_h, d_block, acc, eps: float):
+    """One layer's two sublayers in reverse (MLP, then attention): the slot bookkeeping both backward
+    passes share. h_j is the layer input h_l (attention) or h_l + v_attn (MLP). `vjp_of(k, h_in)` is
+    sublayer k's VJP (in block modes attention's is `attn_vjp`, from the forward that gave v_attn),
+    returning (d params, d h, *d reads, d h_block); `acc` holds the buffer's cotangents (d_sources,
+    d_inv) first, then whatever else the reads' cotangents go to (`absorb(acc, d reads) -> acc`);
+    `slot_cotangent(acc, k, slot)`: per-sublayer modes, what later readers sent to sublayer k's slot.
+    Returns (d_h, d_block, the layer's d params, acc)."""
+    block = plan.mode in BLOCK_MODES
+    h_mid = h_l + v_attn.astype(h_l.dtype)
+    d_params_l = None
+    for k, h_in in ((1, h_mid), (0, h_l)):
+        j = 2 * layer + k
+        slot = row(plan.write, j, seg)
+        if block:
+            if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
+                d_h, d_block = _closed_block_cotangent(final, acc[0], acc[1], slot, row(plan.closes_block, j, seg),
+                                                       d_h, d_block, eps)
+            d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(acc[1][slot])
+        else:
+            d_slot, d_slot_inv = slot_cotangent(acc, k, slot)
+            d_v, d_v_inv = (d_h + d_slot).astype(h_in.dtype), d_slot_inv
+        vjp = attn_vjp if block and k == 0 else vjp_of(k, h_in)
+        d_p, d_h_in, *d_reads, d_block_k = vjp((d_v, d_v_inv))
+        d_h = d_h + d_h_in
+        acc = absorb(acc, d_reads)
+        if block:
+            d_block = d_block + d_block_k.astype(d_block.dtype)
+            if k == 0:  # only an attention sublayer can open a block; h_block is its input h_j
+                opens_j = row(plan.opens_block, j, seg)
+                d_h = _select(opens_j, d_h + d_block.astype(d_h.dtype), d_h)
+                d_block = _select(opens_j, jnp.zeros_like(d_block), d_block)
+        d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
+    return d_h, d_block, d_params_l, acc
 
 
 def _segment_of(params_L, seg: Segment):
@@ -489,6 +513,16 @@ def _grouped_forward(layer_fn, group_prefix, params_L, state: DepthState, plan: 
     return state, stats, h_L
 
 
+def _absorb_prefix(acc, d_reads):
+    """Two-phase backward: a sublayer's prefix cotangent into the layer's (d out, d lse) and, in the
+    per-sublayer modes, the group window's; the buffer's (acc[:2]) gets phase one's once per group."""
+    (d_prefix,) = d_reads
+    d_sources, d_inv, d_window, d_window_inv, d_out, d_lse = acc
+    if d_window is not None:
+        d_window, d_window_inv = d_window + d_prefix.window_SBTD, d_window_inv + d_prefix.window_inv_SBT
+    return d_sources, d_inv, d_window, d_window_inv, d_out + d_prefix.out_BTD, d_lse + d_prefix.lse_BT
+
+
 def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, d_final: DepthState,
                       plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS, prefix_grad=None):
     """The backward pass of two-phase routing, group by group in reverse (`_sublayer_backward` is
@@ -500,9 +534,7 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
     cotangent (per-sublayer modes: slots written and read inside the group) is consumed by the
     slots' writers in the same walk. With `prefix_grad` (a fused kernel, `_group_prefix_grad_into`)
     phase one is recomputed without a VJP and its backward adds into the buffer's cotangent in place."""
-    write = jnp.asarray(plan.write)
     block = plan.mode in BLOCK_MODES
-    opens, closes = jnp.asarray(plan.opens_block), jnp.asarray(plan.closes_block)
     block_start = jnp.asarray(plan.block_start_layer)
 
     def run_group(carry, params_G, first_layer, n):
@@ -515,7 +547,7 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
                 params_G, final.sources_SBTD, final.inv_rms_SBT)
         else:
             out, lse = group_prefix(params_G, final.sources_SBTD, final.inv_rms_SBT, plan, first_layer, n)
-        window = window_inv = None
+        window = window_inv = d_window = d_window_inv = None
         if not block:
             window, window_inv = group_window(plan, final, first_layer)
             d_window, d_window_inv = jnp.zeros_like(window), jnp.zeros_like(window_inv)
@@ -533,45 +565,28 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
                 return layer_fn(p, DepthState(h, final.sources_SBTD, final.inv_rms_SBT, h_block), layer, only=k,
                                 prefix=prefix)
 
+            attn_vjp = None
             if block:
                 v_attn, attn_vjp = jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, 0), params_l, h_l, prefix,
                                            h_block)
                 v_attn = v_attn[0]
             else:
                 v_attn = window[2 * i]  # slot 2 * layer + 1
-            h_mid = h_l + v_attn.astype(h_l.dtype)
-            d_params_l = d_out_l = d_lse_l = None
-            for k, h_in in ((1, h_mid), (0, h_l)):
-                j = 2 * layer + k
-                slot = write[j]
-                if block:
-                    if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
-                        d_h, d_block = _closed_block_cotangent(final, d_sources, d_inv, slot, closes[j], d_h, d_block,
-                                                               eps)
-                    d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(d_inv[slot])
-                else:  # slot j + 1 is read by later groups (d_sources) and later group-mates (the window)
-                    d_slot, d_slot_inv = d_sources[slot], d_inv[slot]
-                    if 2 * i + k < window.shape[0]:
-                        d_slot = d_slot + d_window[2 * i + k].astype(d_slot.dtype)
-                        d_slot_inv = d_slot_inv + d_window_inv[2 * i + k]
-                    d_v, d_v_inv = (d_h + d_slot).astype(h_in.dtype), d_slot_inv
-                if block and k == 0:
-                    vjp = attn_vjp
-                else:
-                    _, vjp = jax.vjp(lambda p, h, pre, hb, k=k: delta(p, h, pre, hb, k), params_l, h_in, prefix,
-                                     h_block)
-                d_p, d_h_in, d_prefix, d_block_k = vjp((d_v, d_v_inv))
-                d_h = d_h + d_h_in
-                d_out_l = d_prefix.out_BTD if d_out_l is None else d_out_l + d_prefix.out_BTD
-                d_lse_l = d_prefix.lse_BT if d_lse_l is None else d_lse_l + d_prefix.lse_BT
-                if block:
-                    d_block = d_block + d_block_k.astype(d_block.dtype)
-                    if k == 0:  # only an attention sublayer can open a block; h_block is its input h_j
-                        d_h = jnp.where(opens[j], d_h + d_block.astype(d_h.dtype), d_h)
-                        d_block = jnp.where(opens[j], 0, d_block)
-                else:
-                    d_window, d_window_inv = d_window + d_prefix.window_SBTD, d_window_inv + d_prefix.window_inv_SBT
-                d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
+
+            def vjp_of(k, h_in, params_l=params_l, prefix=prefix, h_block=h_block, delta=delta):
+                return jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, k), params_l, h_in, prefix, h_block)[1]
+
+            def slot_cotangent(acc, k, slot, i=i):  # read by later groups (the buffer) and group-mates (the window)
+                d_slot, d_slot_inv = acc[0][slot], acc[1][slot]
+                if 2 * i + k < window.shape[0]:
+                    d_slot, d_slot_inv = d_slot + acc[2][2 * i + k].astype(d_slot.dtype), d_slot_inv + acc[3][2 * i + k]
+                return d_slot, d_slot_inv
+
+            zeros = (jnp.zeros_like(out[0]), jnp.zeros_like(lse[0]))  # d out, d lse of the layer
+            d_h, d_block, d_params_l, acc = _layer_backward(
+                plan, None, layer, h_l, v_attn, attn_vjp, vjp_of, _absorb_prefix, slot_cotangent, final, d_h, d_block,
+                (d_sources, d_inv, d_window, d_window_inv) + zeros, eps)
+            d_window, d_window_inv, d_out_l, d_lse_l = acc[2:]
             d_out[i], d_lse[i], d_params[i] = d_out_l, d_lse_l, d_params_l
         d_out, d_lse = jnp.concatenate(d_out), jnp.concatenate(d_lse)
         if prefix_grad is None:

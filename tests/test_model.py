@@ -255,6 +255,11 @@ def test_forward_matches_numpy_reference(mode, block_layers, include_partial, re
         np.testing.assert_allclose(float(stats["max_weight"][j]), a.max(0).mean(), atol=1e-5)
         ent = -(a * np.log(a)).sum(0).mean()
         np.testing.assert_allclose(float(stats["entropy"][j]), ent, atol=1e-4)
+    # the flax way to the same statistics: sown into the `routing` collection where it is mutable
+    sown_logits, sown = model.apply({"params": params}, toks, mutable=["routing"])
+    np.testing.assert_array_equal(np.asarray(sown_logits), np.asarray(logits))
+    for name, value in stats.items():
+        np.testing.assert_array_equal(np.asarray(sown["routing"]["stats"][0][name]), np.asarray(value))
 
 
 def test_reference_routing_is_sharp():

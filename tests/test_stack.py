@@ -164,6 +164,40 @@ def test_nnx_stack_equals_linen_stack(mode):
             _close(grads["layers"][name], sub)
 
 
+def _reference_stats(mode, params):
+    """Per-sublayer routing statistics of the written-out loop, in NumPy from its weights [S, B, T]."""
+    routing = DepthRouting(mode, L, 2 if mode in BLOCK_MODES else 1)
+    state, rows = routing.start(E_BTD), []
+    for layer in range(L):
+        p = jax.tree.map(lambda a, layer=layer: a[layer], params["layers"])
+        for k, (name, kind) in enumerate((("attn", "tanh"), ("mlp", "sin"))):
+            router = DepthRouter().bind({"params": p[f"{name}_router"]})
+            x_BTD, w_SBT = routing.input(state, 2 * layer + k, router, return_weights=True)
+            state = routing.add(state, 2 * layer + k, Dense(kind).apply({"params": p[name]}, x_BTD, SHIFT))
+            w = np.zeros((routing.plan.n_slots,) + w_SBT.shape[1:])
+            w[: w_SBT.shape[0]] = np.asarray(w_SBT)
+            routed = routing.plan.n_sources[2 * layer + k] > 1
+            entropy = -(w * np.log(np.where(w > 0, w, 1))).sum(0).mean()
+            rows.append((w.mean((1, 2)) * routed, w.max(0).mean() * routed, entropy * routed))
+    return [np.stack(col) for col in zip(*rows)]
+
+
+@pytest.mark.parametrize("mode", ("delta", "delta_block", "full_attnres"))
+def test_stack_sows_routing_statistics(mode):
+    params = _params(mode)
+    weights, max_weight, entropy = _reference_stats(mode, params)
+    assert entropy.max() > 0.1 and weights.max() < 0.999  # real routing, not one-hot
+    for kw, p in (({}, params), (dict(store_once=False), params), (dict(scan=False), _unrolled_params(params))):
+        out, sown = _stack(mode, **kw).apply({"params": p}, E_BTD, SHIFT, mutable=["routing"])
+        stats = sown["routing"]["stats"][0]
+        np.testing.assert_allclose(stats["weights"], weights, atol=1e-5, err_msg=str(kw))
+        np.testing.assert_allclose(stats["max_weight"], max_weight, atol=1e-5)
+        np.testing.assert_allclose(stats["entropy"], entropy, atol=1e-5)
+        np.testing.assert_array_equal(stats["n_sources"], DepthRouting(mode, L, 2 if mode in BLOCK_MODES else 1).plan.n_sources)
+        np.testing.assert_allclose(out, _stack(mode, **kw).apply({"params": p}, E_BTD, SHIFT), atol=1e-6)
+    assert "routing" not in _stack(mode).init(jax.random.key(0), E_BTD, SHIFT)  # nothing sown at init
+
+
 def test_stack_refuses_bad_arguments_with_one_clear_error():
     with pytest.raises(ValueError, match="mode must be one of"):
         DepthStack(SUBLAYERS, L, "deltas").init(jax.random.key(0), E_BTD)

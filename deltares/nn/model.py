@@ -10,19 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import ml_collections
 
+from deltares.nn.axes import STREAM_AXES
 from deltares.nn.config import REMAT_POLICIES, dtype_of, validate_model_config
 from deltares.nn.decoder import DecoderLayer
-from deltares.nn.axes import STREAM_AXES
-from deltares.nn.depth import depth_scan, init_depth_state, stack_output
+from deltares.nn.depth import init_depth_state, stack_output
 from deltares.nn.layers import (
     DepthRouter, Projection, Rope, RMSNorm, _param_init, dense_init, document_rope, rope_tables,
 )
 from deltares.nn.losses import head_token_nll
 from deltares.nn.residual import plan_for, two_phase
+from deltares.nn.routed import STATS_COLLECTION, DepthRouting, sublayer_stats, wants_stats
+from deltares.nn.stack import stack_layers
 
 
 def _frozen(cfg):
@@ -41,52 +42,26 @@ class Transformer(nn.Module):
         object.__setattr__(self, "config", _frozen(self.config))
         super().__post_init__()
 
-    def _store_once(self, plan) -> bool:
-        """Routed modes under remat differentiate depth with `depth_scan` (sources stored once);
-        initialisation always goes through nn.scan, which creates the stacked parameters."""
-        return plan.uses_sources and self.config.remat != "none" and not self.is_initializing()
-
-    def _layer_class(self):
-        layer = DecoderLayer
-        if self.config.remat != "none":
-            # unrolled: the layer index stays a Python int (its sources are a tuple, deltares.nn.depth)
-            static = () if self.config.scan_layers else (2,)
-            layer = nn.remat(layer, prevent_cse=not self.config.scan_layers, policy=REMAT_POLICIES[self.config.remat],
-                             static_argnums=static)
-        return layer
-
-    def _layers(self, layer_cls, state, rope, return_stats, cache=None, pos=None):
-        """The L layers, scanned or unrolled, threading each layer's attention cache when decoding.
-        Returns (state, stacked stats or None, new cache or None)."""
+    def _layers(self, state, rope, return_stats: bool, cache=None, pos=None):
+        """The L layers (deltares.nn.stack.stack_layers: the one layer stack, scanned or unrolled, with
+        remat and the store-once pass), threading each layer's attention cache when decoding
+        (nothing differentiated: no remat). Returns (state, stacked stats or None, new cache or None)."""
         cfg = self.config
-        if cfg.scan_layers:
-            scanned = nn.scan(
-                layer_cls,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, 0, nn.broadcast),
-                length=cfg.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-                unroll=cfg.n_layers if cfg.scan_unroll else 1,
-            )
-            layers = jnp.arange(cfg.n_layers)
-            state, out = scanned(cfg, return_stats, name="layers")(state, layers, rope, cache, pos)
-        else:
-            per_layer = []
-            for layer in range(cfg.n_layers):
-                layer_cache = None if cache is None else jax.tree.map(lambda c: c[layer], cache)
-                state, out_l = layer_cls(cfg, return_stats, name=f"layers_{layer}")(
-                    state, layer, rope, layer_cache, pos
-                )
-                per_layer.append(out_l)
-            out = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
-        stats, cache = out if cache is not None else (out, None)
+        routing = DepthRouting.from_config(cfg)
+        decoding = cache is not None
+        grouped = two_phase(cfg) and not return_stats  # statistics need every weight: one pass per sublayer
+        state, out = stack_layers(
+            self, DecoderLayer, (cfg, return_stats), routing, state, (rope, pos), xs=cache, scan=cfg.scan_layers,
+            remat=cfg.remat != "none" and not decoding, policy=REMAT_POLICIES[cfg.remat], unroll=cfg.scan_unroll,
+            queries_fn=layer_queries if grouped else None, impl=cfg.residual.impl, interpret=cfg.residual.interpret)
+        stats, cache = out if decoding else (out, None)
         return state, stats, cache
 
     @nn.compact
     def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None, targets_BT=None,
                  segments_BT=None):
-        """Logits [B, T, V] (float32), and routing stats with `return_stats`.
+        """Logits [B, T, V] (float32), and routing stats with `return_stats` (also sown as
+        variables["routing"]["stats"] where `routing` is mutable: deltares.nn.routed.sublayer_stats).
 
         `targets_BT` (the loss path): per-token NLL [B, T] (float32) of those targets in place
         of the logits, computed `config.loss_chunk` tokens at a time (`head_token_nll`), so
@@ -120,21 +95,12 @@ class Transformer(nn.Module):
         else:
             rope = document_rope(segments_BT, cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps, listed=not cfg.scan_layers)
-        if cache is not None:  # decoding: nothing is differentiated, no remat
-            state, _, cache = self._layers(DecoderLayer, state, rope, False, cache, pos)
-        elif cfg.scan_layers and self._store_once(plan):
-            layer = DecoderLayer(cfg, return_stats, parent=None)
-
-            def layer_fn(params_l, state, index, only=None, prefix=None):
-                return layer.apply({"params": params_l}, state, index, rope, only=only, prefix=prefix)
-
-            params_L = nn.meta.unbox(self.variables["params"]["layers"])
-            grouped = two_phase(cfg) and not return_stats  # statistics need every weight: one pass per sublayer
-            state, stats = depth_scan(layer_fn, params_L, state, plan, unroll=cfg.scan_unroll, eps=cfg.norm_eps,
-                                      queries_fn=layer_queries if grouped else None, impl=cfg.residual.impl,
-                                      interpret=cfg.residual.interpret)
-        else:
-            state, stats, _ = self._layers(self._layer_class(), state, rope, return_stats)
+        want_stats = cache is None and (return_stats or wants_stats(self))
+        state, stats, cache = self._layers(state, rope, want_stats, cache, pos)
+        if want_stats:
+            stats = sublayer_stats(stats, plan)
+            if wants_stats(self):
+                self.sow(STATS_COLLECTION, "stats", stats)
 
         if plan.replaces_stream:
             res = cfg.residual
@@ -160,12 +126,7 @@ class Transformer(nn.Module):
             result = head_token_nll(x_BTD, kernel_DV, targets_BT, cfg.loss_chunk, dtype)
         if cache is not None:
             return result, cache
-        if not return_stats:
-            return result
-        n_sub = 2 * cfg.n_layers
-        stats = {k: v.reshape((n_sub,) + v.shape[2:]) for k, v in stats.items()}
-        stats["n_sources"] = jnp.asarray(plan.n_sources)
-        return result, stats
+        return (result, stats) if return_stats else result
 
 
 def layer_queries(params_l):

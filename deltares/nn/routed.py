@@ -16,7 +16,8 @@ j = 0 .. 2L-1 (j = 2l: attention of layer l, j = 2l+1: its MLP), as in docs/expl
 
 Or, for a stack of identical layers with stacked parameters, `routing.stack(...)`: a scan
 whose backward pass stores each source once (deltares.nn.depth.depth_scan).
-This is the code deltares' own DecoderLayer and Transformer run (deltares.nn.depth).
+`DepthRouting.layer` is the code deltares' own DecoderLayer runs, and the Transformer stacks its layers
+with deltares.nn.stack.stack_layers, as `DepthStack` does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import jax.numpy as jnp
 from deltares.nn import routing as routing_math
 from deltares.nn.axes import check_axis_names, use_axis_names
 from deltares.nn.config import BLOCK_MODES, MODES, Mode
-from deltares.nn.depth import DepthState, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input
+from deltares.nn.depth import (
+    DepthState, Prefix, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input, sublayer_prefix,
+)
 from deltares.nn.layers import DepthRouter, apply_router, init_router_params
 from deltares.nn.residual import ResidualPlan, make_plan
 
@@ -43,7 +46,9 @@ class DepthRouting:
     """The residual scheme of a stack of `n_layers` layers (no parameters: those live in the
     routers). `epsilon` is the key norm's (config.model.norm_eps). `axis_names`: your logical
     axis names for the roles `batch`, `length`, `embed`, `sources` of the stream and the source
-    buffer (deltares.nn.axes; default deltares' own names and rules)."""
+    buffer (deltares.nn.axes; default deltares' own names and rules). `group_layers` and
+    `scan_segments`: how the store-once pass runs (config.model.residual's fields of those names;
+    the same math)."""
 
     mode: Mode
     n_layers: int
@@ -51,6 +56,8 @@ class DepthRouting:
     include_partial: bool = True
     epsilon: float = routing_math.NORM_EPS
     axis_names: Any = None
+    group_layers: int = 1
+    scan_segments: int = 1
 
     plan: ResidualPlan = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -67,14 +74,16 @@ class DepthRouting:
         if self.block_layers != 1 and self.mode not in BLOCK_MODES:
             raise ValueError(f"block_layers={self.block_layers} means nothing in mode {self.mode!r}: only the block "
                              f"modes ({', '.join(BLOCK_MODES)}) have blocks; leave it at 1")
-        object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial))
+        object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial,
+                                                   self.group_layers, self.scan_segments))
 
     @classmethod
     def from_config(cls, model_cfg) -> DepthRouting:
         """The routing of a deltares `config.model`."""
         res = model_cfg.residual
         block_layers = res.block_layers if res.mode in BLOCK_MODES else 1  # one field for every mode of an experiment
-        return cls(res.mode, model_cfg.n_layers, block_layers, res.include_partial, model_cfg.norm_eps)
+        return cls(res.mode, model_cfg.n_layers, block_layers, res.include_partial, model_cfg.norm_eps,
+                   group_layers=max(1, res.group_layers), scan_segments=res.scan_segments)
 
     @property
     def uses_routers(self) -> bool:
@@ -105,13 +114,17 @@ class DepthRouting:
         `router` is called in every mode but baseline (even where j has one source, so every
         sublayer has parameters, as in deltares' Transformer). `final`: `state` holds the final
         source buffer (a store-once backward pass, `layer(only=)`)."""
+        x_BTD, weights_SBT, _ = self._input(state, j, router, final)
+        return (x_BTD, weights_SBT) if return_weights else x_BTD
+
+    def _input(self, state: DepthState, j, router, final: bool = False, prefix: Prefix | None = None):
+        """(x_j, weights or None, whether j routes): `sublayer_input` under this routing's names."""
         if self.uses_routers and router is None:
             raise ValueError(f"mode {self.mode!r} routes sublayer inputs: pass a router")
         self._check_index(j)
         router = self._callable(router)
         with self.names():
-            x_BTD, weights_SBT, _ = sublayer_input(self.plan, state, j, router, _has_null(router), self.epsilon, final)
-        return (x_BTD, weights_SBT) if return_weights else x_BTD
+            return sublayer_input(self.plan, state, j, router, _has_null(router), self.epsilon, final, prefix)
 
     def add(self, state: DepthState, j, v_BTD) -> DepthState:
         """Adds sublayer j's delta v_j to the stream and to its source slot."""
@@ -124,23 +137,35 @@ class DepthRouting:
         with self.names():
             return stack_output(self.plan, state, self._callable(final_router) if self.uses_final_router else None)
 
-    def layer(self, state: DepthState, layer, sublayers: Sequence[tuple[Any, Callable]], only=None):
+    def layer(self, state: DepthState, layer, sublayers: Sequence[tuple[Any, Callable]], only=None,
+              prefix: Prefix | None = None, stats: bool = False):
         """Layer `layer` (may be traced): `sublayers` = [(router, f)] for attention and MLP, f(x) -> delta.
-        Returns (state, None), or with `only` = k sublayer k's (delta, its 1/rms) without writing
-        (the protocol of deltares.nn.depth.depth_scan)."""
+        Returns (state, None), with `stats` (state, its two sublayers' `routing_stats`, leading axis 2),
+        or with `only` = k sublayer k's (delta, its 1/rms) without writing (the protocol of
+        deltares.nn.depth.depth_scan, whose two-phase routing passes the layer's `prefix`)."""
         if len(sublayers) != SUBLAYERS_PER_LAYER:
             raise ValueError(f"a layer has {SUBLAYERS_PER_LAYER} sublayers (attention, MLP), got {len(sublayers)}")
+        if prefix is not None and stats:
+            raise ValueError("routing statistics need the whole weights: call without a prefix")
+
         def delta(k, state, final=False):
             router, fn = sublayers[k]
-            x_BTD = self.input(state, SUBLAYERS_PER_LAYER * layer + k, router, final=final)
-            return fn(x_BTD).astype(state.h_BTD.dtype)
+            x_BTD, weights_SBT, routed = self._input(state, SUBLAYERS_PER_LAYER * layer + k, router, final,
+                                                     sublayer_prefix(prefix, k))
+            stats_k = None
+            if stats:
+                stats_k = routing_stats(weights_SBT, routed) if self.uses_routers else empty_stats(self.plan.n_slots)
+            return fn(x_BTD).astype(state.h_BTD.dtype), stats_k
 
         if only is not None:  # sublayer `only` alone on `state` (holding the final buffer)
-            v_BTD = delta(only, state, final=True)
+            v_BTD, _ = delta(only, state, final=True)
             return v_BTD, routing_math.inv_rms(v_BTD, self.epsilon)
+        per_sublayer = []
         for k in range(SUBLAYERS_PER_LAYER):
-            state = self.add(state, SUBLAYERS_PER_LAYER * layer + k, delta(k, state))
-        return state, None
+            v_BTD, stats_k = delta(k, state)
+            state = self.add(state, SUBLAYERS_PER_LAYER * layer + k, v_BTD)
+            per_sublayer.append(stats_k)
+        return state, (jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None)
 
     def stack(self, sublayers_of: Callable, params_L, e_BTD, *, store_once: bool = True, remat: bool = True):
         """All L layers as one scan over `params_L` (a pytree stacked on a leading L axis);
@@ -177,6 +202,41 @@ class _ParamRouter:
 
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.epsilon, prefix=prefix)
+
+
+def routing_stats(weights_SBT, routed):
+    """Mean weight per slot [S], mean max weight and mean entropy; zeros when not routed.
+    Diagnostics only: no gradient flows through them."""
+    weights_SBT = jax.lax.stop_gradient(weights_SBT)
+    scale = routed.astype(jnp.float32)
+    entropy_BT = -jnp.sum(weights_SBT * jnp.log(jnp.where(weights_SBT > 0, weights_SBT, 1.0)), axis=0)
+    return dict(
+        weights=weights_SBT.mean(axis=(1, 2)) * scale,
+        max_weight=weights_SBT.max(axis=0).mean() * scale,
+        entropy=entropy_BT.mean() * scale,
+    )
+
+
+def sublayer_stats(stats_L2, plan: ResidualPlan):
+    """The routing statistics of a stack's layers (`layer(stats=True)` stacked, leading axes [L, 2]) per
+    sublayer, leading axis 2L, with `n_sources` [2L]: what the models return and sow (STATS_COLLECTION)."""
+    out = {k: v.reshape((2 * plan.n_layers,) + v.shape[2:]) for k, v in stats_L2.items()}
+    out["n_sources"] = jnp.asarray(plan.n_sources)
+    return out
+
+
+STATS_COLLECTION = "routing"  # models sow their routing statistics as variables["routing"]["stats"]
+
+
+def wants_stats(module) -> bool:
+    """Whether a linen module's call should sow routing statistics: its STATS_COLLECTION is mutable
+    (`apply(..., mutable=["routing"])`), outside initialisation."""
+    return module.is_mutable_collection(STATS_COLLECTION) and not module.is_initializing()
+
+
+def empty_stats(n_slots: int):
+    """`routing_stats` of a sublayer that does not route (baseline)."""
+    return dict(weights=jnp.zeros((n_slots,), jnp.float32), max_weight=jnp.float32(0), entropy=jnp.float32(0))
 
 
 def _has_null(router) -> bool:

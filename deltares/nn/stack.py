@@ -21,13 +21,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from deltares.nn import routing as routing_math
 from deltares.nn.config import MODES, Mode
 from deltares.nn.depth import depth_scan, init_depth_state
 from deltares.nn.layers import DepthRouter
-from deltares.nn.routed import SUBLAYERS_PER_LAYER, DepthRouting
+from deltares.nn.routed import STATS_COLLECTION, SUBLAYERS_PER_LAYER, DepthRouting, sublayer_stats, wants_stats
 
 
 def check_names(names: Sequence[str]) -> None:
@@ -55,9 +56,10 @@ class RoutedLayer(nn.Module):
     names: tuple = ("attn", "mlp")
     gate: bool = False
     null_source: bool = False
+    stats: bool = False
 
     @nn.compact
-    def __call__(self, state, layer, *args, only=None):
+    def __call__(self, state, layer, xs, *args, only=None, prefix=None):
         pairs = []
         for name, factory in zip(self.names, self.sublayers):
             body = factory(name=name)
@@ -65,7 +67,46 @@ class RoutedLayer(nn.Module):
             if self.routing.uses_routers:
                 router = DepthRouter(self.gate, self.null_source, epsilon=self.routing.epsilon, name=f"{name}_router")
             pairs.append((router, lambda x, body=body: body(x, *args)))
-        return self.routing.layer(state, layer, pairs, only=only)
+        return self.routing.layer(state, layer, pairs, only=only, stats=self.stats)
+
+
+def stack_layers(parent: nn.Module, layer_cls, fields: tuple, routing: DepthRouting, state, args: tuple = (), *,
+                 xs=None, scan: bool = True, remat: bool = True, policy=None, store_once: bool = True,
+                 unroll: bool = False, queries_fn=None, impl: str = "xla", interpret: bool = False):
+    """The layers of `parent` (a linen module, inside its compact call): `routing.n_layers` layers
+    `layer_cls(*fields)`, each called as `layer(state, index, xs_l, *args, only=None, prefix=None)
+    -> (state, out)` (`xs`: a pytree with a leading layer axis, sliced per layer; `args` the same for
+    every layer). Returns (state, the layers' outs stacked on a leading axis).
+
+    Parameters: `layers` (stacked, `scan`) or `layers_0`, `layers_1`, ... (unrolled; each sublayer
+    reads only the sources it needs). `remat` recomputes each layer in the backward pass (`policy`:
+    a jax.checkpoint policy); with it the routed modes differentiate depth with the store-once pass
+    (deltares.nn.depth.depth_scan; `queries_fn`, `impl`, `interpret`: its two-phase routing) unless
+    `store_once=False` (plain autodiff of the scan). `unroll`: the scans unrolled in the program.
+    The one way deltares stacks layers: DepthStack and the Transformer both run it."""
+    n_layers = routing.n_layers
+    if not scan:
+        layer = nn.remat(layer_cls, static_argnums=(2,), policy=policy) if remat else layer_cls
+        outs = []
+        for index in range(n_layers):
+            xs_l = None if xs is None else jax.tree.map(lambda a, index=index: a[index], xs)
+            state, out = layer(*fields, name=f"layers_{index}")(state, index, xs_l, *args)
+            outs.append(out)
+        return state, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    if remat and store_once and routing.uses_routers and xs is None and not parent.is_initializing():
+        layer = layer_cls(*fields, parent=None)
+
+        def layer_fn(params_l, state, index, only=None, prefix=None):
+            return layer.apply({"params": params_l}, state, index, None, *args, only=only, prefix=prefix)
+
+        params_L = nn.meta.unbox(parent.variables["params"]["layers"])
+        return depth_scan(layer_fn, params_L, state, routing.plan, unroll=unroll, eps=routing.epsilon,
+                          queries_fn=queries_fn, impl=impl, interpret=interpret)
+    layer = nn.remat(layer_cls, prevent_cse=False, policy=policy) if remat else layer_cls
+    scanned = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(0, 0) + (nn.broadcast,) * len(args), length=n_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"}, unroll=n_layers if unroll else 1)
+    return scanned(*fields, name="layers")(state, jnp.arange(n_layers), xs, *args)
 
 
 class DepthStack(nn.Module):
@@ -79,7 +120,10 @@ class DepthStack(nn.Module):
     `store_once=False` (plain autodiff of the scan, the reference). `scan=False` unrolls the
     layers (parameters `layers_0`, `layers_1`, ...; each sublayer reads only the sources it needs).
     `epsilon`: the routers' key-norm epsilon. `axis_names`: your logical axis names of the stream
-    and the source buffer (deltares.nn.axes: roles `batch`, `length`, `embed`, `sources`)."""
+    and the source buffer (deltares.nn.axes: roles `batch`, `length`, `embed`, `sources`).
+    Routing statistics (per sublayer: mean weight per source slot, mean max weight, mean entropy,
+    number of sources) are sown as variables["routing"]["stats"] when you apply the stack with
+    `mutable=["routing"]`."""
 
     sublayers: tuple
     n_layers: int
@@ -102,44 +146,23 @@ class DepthStack(nn.Module):
         return DepthRouting(self.mode, self.n_layers, self.block_layers, self.include_partial, self.epsilon,
                             None if self.axis_names is None else dict(self.axis_names))
 
-    def _layer_fields(self, routing: DepthRouting) -> tuple:
-        """RoutedLayer's fields: every layer of the stack is built from these."""
-        return routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source
-
     @nn.compact
     def __call__(self, e_BTD, *args):
         routing = self._routing()
         if e_BTD.ndim != 3:
             raise ValueError(f"the stack's input is [B, T, D], got shape {e_BTD.shape}")
         with routing.names():
-            return self._run(routing, e_BTD, *args)
-
-    def _run(self, routing: DepthRouting, e_BTD, *args):
-        if not self.scan:
-            state = init_depth_state(e_BTD, routing.plan, self.epsilon, listed=True)
-            layer_cls = nn.remat(RoutedLayer, static_argnums=(2,)) if self.remat else RoutedLayer
-            for layer in range(self.n_layers):
-                state, _ = layer_cls(*self._layer_fields(routing), name=f"layers_{layer}")(state, layer, *args)
-        elif self.remat and self.store_once and routing.uses_routers and not self.is_initializing():
-            layer = RoutedLayer(*self._layer_fields(routing), parent=None)
-
-            def layer_fn(params_l, state, index, only=None):
-                return layer.apply({"params": params_l}, state, index, *args, only=only)
-
-            params_L = nn.meta.unbox(self.variables["params"]["layers"])
-            state, _ = depth_scan(layer_fn, params_L, routing.start(e_BTD), routing.plan, eps=self.epsilon)
-        else:
-            layer_cls = nn.remat(RoutedLayer, prevent_cse=False) if self.remat else RoutedLayer
-            scanned = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                              in_axes=(0,) + (nn.broadcast,) * len(args), length=self.n_layers,
-                              metadata_params={nn.PARTITION_NAME: "layers"})
-            layers = scanned(*self._layer_fields(routing), name="layers")
-            state, _ = layers(routing.start(e_BTD), jnp.arange(self.n_layers), *args)
-        final_router = None
-        if routing.uses_final_router:
-            final_router = DepthRouter(epsilon=self.epsilon, name="final_router")
-        return routing.output(state, final_router)
+            state = init_depth_state(e_BTD, routing.plan, self.epsilon, listed=not self.scan)
+            stats = wants_stats(self)
+            fields = (routing, tuple(self.sublayers), tuple(self.names), self.gate, self.null_source, stats)
+            state, stats_L2 = stack_layers(self, RoutedLayer, fields, routing, state, args, scan=self.scan,
+                                           remat=self.remat, store_once=self.store_once)
+            if stats:
+                self.sow(STATS_COLLECTION, "stats", sublayer_stats(stats_L2, routing.plan))
+            final_router = None
+            if routing.uses_final_router:
+                final_router = DepthRouter(epsilon=self.epsilon, name="final_router")
+            return routing.output(state, final_router)
 
 
-__all__ = ["DepthStack", "RoutedLayer"]
-
+__all__ = ["DepthStack", "RoutedLayer", "stack_layers"]

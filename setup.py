@@ -1,7 +1,7 @@
 """The one thing pyproject.toml cannot say: the packages are found (every folder under `deltares/`
 and `kernels_pallas/`, so new ones are not forgotten) and, besides them, the repository's top-level
 `experiments/` ships inside the package as `deltares/experiments` (`--config tiny:delta_block`
-then works from any directory; see deltares.entry)."""
+then works from any directory; see deltares.command_line)."""
 
 from setuptools import find_namespace_packages, setup
 

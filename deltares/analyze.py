@@ -44,7 +44,7 @@ from deltares.training.checkpoint import load_checkpoint
 from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches, text_tokens
 from deltares.data.documents import DataError
-from deltares.data.runs import run_dataset_path
+from deltares.data.run_data import run_dataset_path
 from deltares.interop.inference import check_params
 from deltares.nn.layers import DepthRouter
 from deltares.training.metrics import read_metrics
@@ -450,9 +450,9 @@ def cli() -> None:
     _OUT = flags.DEFINE_string("out", None, "Output directory (default: <first run>/analysis).")
     _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per batch.")
     _MAX_BATCHES = flags.DEFINE_integer("max_batches", 8, "Batches of the validation sample.")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

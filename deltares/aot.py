@@ -9,7 +9,7 @@ CPU-only machine.
     python -m deltares.aot --config experiments/s220m.py:delta --topology v5p:2x2x1 \
         --config.model.remat=full --estimate
 
-The train step is the one `deltares.train` runs (`deltares.training.state.sharded_train_step`:
+The train step is the one `deltares.train` runs (`deltares.training.program.sharded_train_step`:
 forward, backward, gradient clipping and the AdamW update, the state donated), lowered for
 the experiment's global batch and sequence length and compiled by the TPU compiler of
 `libtpu` (a PyPI wheel, pinned in requirements.txt) for compile-only devices of the
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from absl import flags, logging
 from ml_collections import config_flags
 
-from deltares import entry
+from deltares import command_line
 from deltares.training.compile_only import (  # noqa: F401 - re-exported: the tool's public names
     EXAMPLE_TOPOLOGIES,
     AotError,
@@ -541,7 +541,7 @@ def cli() -> None:
         "recomputation, then the plain loss).")
     if "JAX_PLATFORMS" not in os.environ:  # never touch TPU hardware: the step runs on compile-only devices
         jax.config.update("jax_platforms", "cpu")
-    entry.run(main, quiet_libtpu=False)  # libtpu is set up as a compiler (topology_devices)
+    command_line.run(main, quiet_libtpu=False)  # libtpu is set up as a compiler (topology_devices)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python -m deltares.bench --config experiments/s220m.py --modes baseline,delta_block --batch 4 --seq_len 2048
     python -m deltares.bench --config experiments/tiny.py --config.model.remat=full   # any config override
 
-Times the real train step (`deltares.training.state.sharded_train_step`: forward, backward,
+Times the real train step (`deltares.training.program.sharded_train_step`: forward, backward,
 optimizer update, donated state) on the default backend (the CPU, or any accelerator
 present, over `config.mesh`). Each mode's step is lowered and compiled once (the
 compile time reported), run once to warm up, then timed in interleaved rounds (every
@@ -33,7 +33,7 @@ from deltares.nn.config import MODES
 from deltares.training.memory import compiled_bytes, device_peak_bytes
 from deltares.training.metrics import mfu, model_flops_per_token, peak_flops_per_device
 from deltares.training.sharding import make_mesh, shard_batch
-from deltares.training.state import sharded_train_step
+from deltares.training.program import sharded_train_step
 
 
 class BenchError(ValueError):
@@ -178,9 +178,9 @@ def cli() -> None:
     _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
     _STEPS = flags.DEFINE_integer("steps", 4, "Timed steps per mode per round.")
     _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

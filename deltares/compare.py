@@ -571,9 +571,9 @@ def cli() -> None:
     _JSON = flags.DEFINE_string("json", None, "Write the grouped report to this JSON file (implies --group).")
     _DEPTH_FIGURE = flags.DEFINE_string("depth_figure", None, "Write the figure of validation perplexity against depth "
                                         "per mode to this file, its data beside it as .json (implies --group).")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from absl import app, flags, logging
 
 from deltares.interop import hf
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
-from deltares.training.configs import base_config
+from deltares.training.experiment import base_config
 from deltares.data.dataset import TokenData
-from deltares.data.runs import run_dataset_path
+from deltares.data.run_data import run_dataset_path
 
 
 def _residual_request(mode, block_layers, gate, null_source):
@@ -118,9 +118,9 @@ def cli() -> None:
     _NULL_SOURCE = flags.DEFINE_bool("null_source", False, "Add the paper's learned null source to every routing.")
     _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) to write with --checkpoint.")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from absl import app, flags, logging
 from deltares.data import paths
 from deltares.data.dataset import TokenData, Windows, eval_batches, text_tokens
 from deltares.data.documents import DataError
-from deltares.data.runs import check_token_ids, run_dataset_path
+from deltares.data.run_data import check_token_ids, run_dataset_path
 from deltares.nn.model import Transformer
 from deltares.training.checkpoint import CheckpointError, load_checkpoint
 from deltares.training.evaluation import metrics, score
@@ -119,9 +119,9 @@ def cli() -> None:
     _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per evaluation batch.")
     _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Score only the first N batches of the trainer's "
                                         "validation windows (bits per byte at the mean bytes per token).")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

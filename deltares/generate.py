@@ -252,9 +252,9 @@ def cli() -> None:
                                       "may be given several times; \\n and \\t are a newline and a tab.")
     _NUM = flags.DEFINE_integer("num_samples", 1, "Continuations to sample per prompt.")
     _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

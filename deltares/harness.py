@@ -205,9 +205,9 @@ def main() -> None:
     """The command line (`python -m deltares.harness`, `deltares-harness`): lm-eval's, with `deltares` registered."""
     from lm_eval.__main__ import cli_evaluate
 
-    from deltares import entry
+    from deltares import command_line
 
-    entry.quiet_libtpu_off_tpu()
+    command_line.quiet_libtpu_off_tpu()
     try:
         cli_evaluate()
     except (OSError, ValueError) as err:  # bad model arguments, a missing checkpoint or task

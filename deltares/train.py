@@ -34,16 +34,16 @@ from tqdm import tqdm
 
 from deltares.data import paths
 from deltares.data.documents import BUILTIN, DataError
-from deltares.data.runs import RunData, open_run_data, unigram_perplexity
+from deltares.data.run_data import RunData, open_run_data, unigram_perplexity
 from deltares.interop import hf
 from deltares.nn.attention import check_attention
-from deltares.training.configs import validate_config
+from deltares.training.experiment import validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.evaluation import evaluate
 from deltares.training.memory import PeakMemory
 from deltares.training.metrics import MetricsWriter, Profiler, mfu, model_flops_per_token, peak_flops_per_device
 from deltares.training.sharding import LOGICAL_RULES, check_batch_split, make_mesh, shard_batch
-from deltares.training.state import ShardedTraining, sharded_train_step
+from deltares.training.program import ShardedTraining, sharded_train_step
 from deltares.training.wandb_tracker import TrackerError, open_tracker
 from deltares.training.workdir import WorkdirError, WorkdirLock, check_workdir
 
@@ -105,7 +105,7 @@ def check_train_config(cfg) -> None:
             "and pass --config.data.dataset=DIR (or 'builtin' for the shipped Moby-Dick)"
         )
     try:
-        validate_config(cfg)  # every field's type and allowed values (the schema, deltares.training.configs)
+        validate_config(cfg)  # every field's type and allowed values (the schema, deltares.training.experiment)
     except ValueError as err:
         raise TrainError(str(err)) from None
     if t.global_batch % t.micro_batches:
@@ -242,8 +242,8 @@ class StopRequest:
 def train(cfg, workdir: str) -> dict:
     """Runs (or resumes) training; returns the final metrics. The config travels once, in order:
     config and mesh (check_train_config, `_mesh`) -> the run directory, checked and locked
-    (deltares.training.workdir) -> data (deltares.data.runs) -> model and sharded step
-    (deltares.training.state) -> the state to start from (`_start_state`) -> the loop (`_train`),
+    (deltares.training.workdir) -> data (deltares.data.run_data) -> model and sharded step
+    (deltares.training.program) -> the state to start from (`_start_state`) -> the loop (`_train`),
     which writes checkpoints and metrics. Nothing is written before the run directory is locked,
     and a run that fails before its first step leaves a new run directory as it found it."""
     check_train_config(cfg)
@@ -540,7 +540,7 @@ def print_dry_run(cfg, r: dict) -> None:
 def main(argv):
     del argv
     if _HELPCONFIG.value:
-        from deltares.training.configs import describe_config  # noqa: PLC0415 - only for this listing
+        from deltares.training.experiment import describe_config  # noqa: PLC0415 - only for this listing
 
         print(describe_config())
         return
@@ -575,9 +575,9 @@ def cli() -> None:
     _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard events.")
     _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config and build one abstract train step; no run.")
     _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "List every config field (type, default, allowed values, help).")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

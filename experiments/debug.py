@@ -7,7 +7,7 @@ Run: python -m deltares.train --config experiments/debug.py --workdir runs/debug
 Paper: no counterpart; this scale exists for tests only.
 """
 
-from deltares.training.configs import experiment
+from deltares.training.experiment import experiment
 
 MODEL = dict(vocab_size=257, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64, dtype="float32",
              loss_chunk=0)  # the plain loss: at this size chunking only costs time

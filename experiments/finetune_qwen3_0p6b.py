@@ -22,10 +22,10 @@ Delta AttnRes 55.6%.
 import os
 import runpy
 
-from deltares.training.configs import experiment
+from deltares.training.experiment import experiment
 
 # The pretrained shape, read from the file beside this one (not imported as `experiments.`: experiment
-# files load from any directory, and installed they live in the package, see deltares.entry).
+# files load from any directory, and installed they live in the package, see deltares.command_line).
 MODEL = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_0p6b.py"))["MODEL"]
 
 RECIPE = dict(

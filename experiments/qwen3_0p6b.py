@@ -14,7 +14,7 @@ Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 32.22,
 block AttnRes 32.38, Delta Block 31.45.
 """
 
-from deltares.training.configs import PAPER_RECIPE, experiment
+from deltares.training.experiment import PAPER_RECIPE, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=3072,
              remat="full", loss_chunk=0)  # measured defaults (docstring)

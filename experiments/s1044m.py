@@ -14,7 +14,7 @@ Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 29.70,
 block AttnRes 31.76, full AttnRes 33.36, Delta Block 29.19, Delta AttnRes 29.13.
 """
 
-from deltares.training.configs import PAPER_RECIPE, experiment
+from deltares.training.experiment import PAPER_RECIPE, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1280, n_layers=36, n_heads=20, n_kv_heads=4, head_dim=64, d_ff=5120,
              remat="full", loss_chunk=0)  # measured defaults (docstring)

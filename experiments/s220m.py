@@ -20,7 +20,7 @@ Block-size ablation (the paper's Table 2):
         --workdir runs/s220m_delta_block_B$B --config.data.dataset=DATA; done
 """
 
-from deltares.training.configs import PAPER_RECIPE, experiment
+from deltares.training.experiment import PAPER_RECIPE, experiment
 
 MODEL = dict(vocab_size=151936, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=3072)
 

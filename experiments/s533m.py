@@ -19,7 +19,7 @@ Block-size ablation (the paper's Table 2):
         --workdir runs/s533m_delta_block_B$B --config.data.dataset=DATA; done
 """
 
-from deltares.training.configs import PAPER_RECIPE, experiment
+from deltares.training.experiment import PAPER_RECIPE, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, head_dim=64, d_ff=4096,
              remat="full", loss_chunk=0)  # measured defaults (docstring)

@@ -14,7 +14,7 @@ Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 17.43,
 block AttnRes 18.58, Delta Block 16.00 (8.2% better than baseline).
 """
 
-from deltares.training.configs import PAPER_RECIPE, experiment
+from deltares.training.experiment import PAPER_RECIPE, experiment
 
 MODEL = dict(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=12288,
              loss_chunk=0)  # the plain loss: chunks cost memory at 7.6B (docstring)

@@ -10,7 +10,7 @@ Bench: python -m deltares.bench --config experiments/tiny.py  (train step of eve
 Paper: no counterpart; the smallest paper scale is 220M (experiments/s220m.py).
 """
 
-from deltares.training.configs import experiment
+from deltares.training.experiment import experiment
 
 MODEL = dict(vocab_size=4096, d_model=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768, dtype="float32",
              scan_layers=False,  # on a CPU, 6 unrolled layers run about 20% faster than a scan

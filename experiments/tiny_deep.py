@@ -12,7 +12,7 @@ Paper: no counterpart; it mimics the paper's deep end (1044M: 36 layers, 7.6B) a
 import os
 import runpy
 
-from deltares.training.configs import experiment
+from deltares.training.experiment import experiment
 
 # tiny's recipe, read from the file beside this one (experiment files load from any directory).
 RECIPE = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))["RECIPE"]

@@ -43,14 +43,14 @@ HELP_COLUMNS = "100"
 
 def config_page() -> str:
     from deltares.nn.config import MODEL_FIELDS, describe
-    from deltares.training.configs import BASE_FIELDS
+    from deltares.training.experiment import BASE_FIELDS
 
     return "\n".join([
         "# Config reference",
         "",
         GENERATED,
         "",
-        "Every field of an experiment config, as `deltares/training/configs.py` (`BASE_FIELDS`) and",
+        "Every field of an experiment config, as `deltares/training/experiment.py` (`BASE_FIELDS`) and",
         "`deltares/nn/config.py` (`MODEL_FIELDS`) declare it: its type, default, allowed values and help.",
         "Any field can be overridden on the command line (`--config.train.steps=1000`); a field whose",
         "default is `unset` is a typed placeholder that an override sets. A wrong type or value is a",

@@ -29,7 +29,7 @@ from deltares.training.checkpoint import Checkpointer  # noqa: E402
 from deltares.nn.layers import xla_route  # noqa: E402
 from deltares.nn.config import MODES  # noqa: E402
 from deltares.training.sharding import LOGICAL_RULES, make_mesh, shard_batch, sharded_fraction  # noqa: E402
-from deltares.training.state import sharded_train_step  # noqa: E402
+from deltares.training.program import sharded_train_step  # noqa: E402
 from deltares.training.steps import build, make_init, make_train_step  # noqa: E402
 
 MESHES = {"data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2), "fsdp8": dict(data=1, fsdp=8, tensor=1)}

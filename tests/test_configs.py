@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from deltares.training.configs import parse_variant
+from deltares.training.experiment import parse_variant
 from deltares.nn.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,14 +287,14 @@ def test_dry_run_command_reads_and_writes_nothing(tmp_path):
 
 def _all_fields():
     from deltares.nn.config import MODEL_FIELDS
-    from deltares.training.configs import BASE_FIELDS
+    from deltares.training.experiment import BASE_FIELDS
 
     return [("config." + f.name, f) for f in BASE_FIELDS] + [("config.model." + f.name, f) for f in MODEL_FIELDS]
 
 
 def _full_config():
     from deltares.nn.config import model_config
-    from deltares.training.configs import base_config
+    from deltares.training.experiment import base_config
 
     cfg = base_config()
     cfg.model = model_config()
@@ -318,7 +318,7 @@ def test_every_schema_field_is_built_with_its_default():
             section, key = name[len("config."):].rsplit(".", 1)
             ref = _at(cfg, section).get_ref(key)
             assert isinstance(ref, FieldReference) and ref.get_type() is field.type, name
-    from deltares.training.configs import describe_config
+    from deltares.training.experiment import describe_config
 
     listing = describe_config()
     assert all(f"| {name} |" in listing for name, _ in _all_fields())
@@ -331,7 +331,7 @@ WRONG_TYPE = {bool: 1, int: "8", float: "fast", str: 3, tuple: 5}
 def test_wrong_type_or_disallowed_value_names_the_field(name):
     import ml_collections
 
-    from deltares.training.configs import validate_config
+    from deltares.training.experiment import validate_config
 
     fields = dict(_all_fields())
     field = fields[name]
@@ -354,7 +354,7 @@ def test_old_saved_config_missing_new_fields_loads(tmp_path):
     import orbax.checkpoint as ocp
 
     from deltares.training.checkpoint import load_checkpoint
-    from deltares.training.configs import validate_config, with_schema_defaults
+    from deltares.training.experiment import validate_config, with_schema_defaults
 
     saved = load("debug").get_config("delta_block").to_dict()
     for section, key in (("model.residual", "impl"), ("model.residual", "gate"), ("model.residual", "null_source"),

@@ -248,7 +248,7 @@ def test_sharded_params_only_restore(run, tmp_path):
 def _sharded_worker(workdir: str, out: str) -> None:
     """Loads `workdir` onto data=2, fsdp=2, tensor=2; prints shardings, saves gathered values."""
     from deltares.training.sharding import make_mesh
-    from deltares.training.state import sharded_train_step
+    from deltares.training.program import sharded_train_step
 
     mesh = make_mesh(dict(data=2, fsdp=2, tensor=2))
     loaded = load_checkpoint(workdir, mesh=mesh)

@@ -319,7 +319,7 @@ def test_finetune_from_hf_lowers_the_loss(tmp_path):
     baseline import's (deltares.interop.hf.from_hf), which test_baseline_import_matches_transformers
     checks against the logits `transformers` computed; a random init gives another loss."""
     from deltares.data.dataset import TokenData, train_dataset
-    from deltares.data.runs import run_dataset_path
+    from deltares.data.run_data import run_dataset_path
     from deltares.train import train
 
     sys.path.insert(0, ROOT)

@@ -23,7 +23,7 @@ import zipfile
 
 import pytest
 
-from deltares import entry
+from deltares import command_line
 from tests.jax_cache import CACHE, ROOT
 
 PACKAGE_INPUTS = ("pyproject.toml", "setup.py", "README.md", "deltares", "kernels_pallas", "experiments")
@@ -36,7 +36,7 @@ def _env(**extra) -> dict:
     """This process's environment without the checkout on the path and without the variables the
     tools set, plus the shared compilation cache."""
     env = {k: v for k, v in os.environ.items() if k not in TOOL_VARIABLES + ("PYTHONPATH",)}
-    if entry.tpu_chips_present():
+    if command_line.tpu_chips_present():
         env["JAX_PLATFORMS"] = "cpu"  # keep the tests off the chips; libtpu is quiet on a TPU machine anyway
     env.update(JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", **extra)
@@ -144,9 +144,9 @@ def test_wheel_installs_and_runs_outside_the_repository(wheel, tmp_path):
     api = _run([python, "-c", """if True:
         import json, jax.numpy as jnp, numpy as np
         import deltares, kernels_pallas
-        from deltares import entry
+        from deltares import command_line
         from deltares.interop import hf
-        from deltares.training.configs import experiment
+        from deltares.training.experiment import experiment
         from deltares.data.tokenizer import load_tokenizer
         from deltares.nn.routing import depth_route
         from deltares.train import train
@@ -156,11 +156,11 @@ def test_wheel_installs_and_runs_outside_the_repository(wheel, tmp_path):
         np.testing.assert_allclose(out, kernel_route(sources, valid, jnp.zeros(4), jnp.ones(4)), atol=1e-6)
         np.testing.assert_allclose(out, sources.mean(0), atol=1e-6)  # a zero query: uniform weights
         import glob, importlib.machinery, os
-        for path in sorted(glob.glob(os.path.join(entry.experiments_dir(), "*.py"))):  # as --config loads them
+        for path in sorted(glob.glob(os.path.join(command_line.experiments_dir(), "*.py"))):  # as --config loads them
             module = importlib.machinery.SourceFileLoader("config", path).load_module()
             assert module.get_config().model.n_layers > 0, path
         print(json.dumps(dict(deltares=deltares.__file__, kernels=kernels_pallas.__file__,
-                              experiments=entry.experiments_dir(), gpt2=len(load_tokenizer("gpt2").encode("Call me Ishmael.")))))
+                              experiments=command_line.experiments_dir(), gpt2=len(load_tokenizer("gpt2").encode("Call me Ishmael.")))))
     """], cwd=work, env=_env(JAX_PLATFORMS="cpu"))  # a library user's program: libtpu is theirs to quiet
     found = json.loads(api.stdout.strip().splitlines()[-1])
     venv_real = os.path.realpath(venv)
@@ -173,7 +173,7 @@ def test_wheel_installs_and_runs_outside_the_repository(wheel, tmp_path):
                   "--config.train.steps=2"], cwd=work, env=_env())
     assert "step 2: validation loss" in train.stdout
     assert os.path.exists(work / "run" / "metrics.jsonl")
-    if not entry.tpu_chips_present():  # JAX_PLATFORMS unset: libtpu probes for a TPU, quietly
+    if not command_line.tpu_chips_present():  # JAX_PLATFORMS unset: libtpu probes for a TPU, quietly
         assert "TPU" not in train.stderr, train.stderr[-2000:]
 
     # absl's --help exits with status 1; the console script shows what `python -m deltares.train --help` shows
@@ -204,13 +204,13 @@ def test_import_changes_no_environment_variable(tmp_path):
     """
     proc = _run([sys.executable, "-c", code], cwd=tmp_path, env=_env(PYTHONPATH=ROOT))
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"deltares.train", "deltares.aot", "deltares.harness", "deltares.entry"} <= set(found["names"])
+    assert {"deltares.train", "deltares.aot", "deltares.harness", "deltares.command_line"} <= set(found["names"])
     assert found["package"] == [] and found["modules"] == [], found
 
 
 def test_config_names_resolve_to_the_shipped_experiments(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no experiments/ here
-    shipped = os.path.join(entry.experiments_dir(), "debug.py")
+    shipped = os.path.join(command_line.experiments_dir(), "debug.py")
     assert os.path.isfile(shipped)
     for given, expected in [
         ("debug", shipped),
@@ -220,12 +220,12 @@ def test_config_names_resolve_to_the_shipped_experiments(tmp_path, monkeypatch):
         ("nosuch:delta", "nosuch:delta"),  # left for the tool to report
         ("other/debug.py", "other/debug.py"),  # a path elsewhere is never redirected
     ]:
-        assert entry.resolve_config(given) == expected, given
+        assert command_line.resolve_config(given) == expected, given
     (tmp_path / "experiments").mkdir()
     (tmp_path / "experiments" / "debug.py").write_text("")
-    assert entry.resolve_config("experiments/debug.py:delta") == "experiments/debug.py:delta"  # a file here wins
+    assert command_line.resolve_config("experiments/debug.py:delta") == "experiments/debug.py:delta"  # a file here wins
 
     argv = ["train", "--config", "tiny:delta", "--config.train.steps=2", "--config=debug", "--", "--config", "debug"]
-    tiny = os.path.join(entry.experiments_dir(), "tiny.py")
-    assert entry.resolve_config_args(argv) == [
+    tiny = os.path.join(command_line.experiments_dir(), "tiny.py")
+    assert command_line.resolve_config_args(argv) == [
         "train", "--config", tiny + ":delta", "--config.train.steps=2", f"--config={shipped}", "--", "--config", "debug"]

@@ -44,18 +44,18 @@ def test_each_layer_imports_only_the_layers_below_it():
         layer = rel.split(os.sep)[0] if os.sep in rel else None
         for parts in deltares_imports(os.path.join(PACKAGE, rel)):
             target = parts[0]
-            if layer is None:  # the top (tools, entry) uses everything; the trainer no other tool
+            if layer is None:  # the top (tools, command_line) uses everything; the trainer no other tool
                 if rel == "train.py" and target in TOOLS - {"train"}:
                     bad.append((rel, parts))
                 continue
-            # deltares.entry is the command line's start (data.prepare's cli() imports it there)
-            if target != layer and target not in ALLOWED[layer] and parts != ("entry",):
+            # deltares.command_line is the command line's start (data.prepare's cli() imports it there)
+            if target != layer and target not in ALLOWED[layer] and parts != ("command_line",):
                 bad.append((rel, parts))
     assert not bad, bad
 
 
 def test_the_top_level_holds_only_the_tools():
     top = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py")}
-    assert top == TOOLS | {"__init__", "entry"}, top
+    assert top == TOOLS | {"__init__", "command_line"}, top
     assert {d for d in os.listdir(PACKAGE) if os.path.isdir(os.path.join(PACKAGE, d)) and d != "__pycache__"} == {
         "nn", "training", "data", "interop"}

@@ -487,9 +487,9 @@ def cli() -> None:
     _SHARD = flags.DEFINE_integer("shard", 0, "This host's share of the units: I of --num_shards.")
     _NUM_SHARDS = flags.DEFINE_integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).")
     _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a dataset of other input in --out.")
-    from deltares import entry
+    from deltares import command_line
 
-    entry.run(main)
+    command_line.run(main)
 
 
 if __name__ == "__main__":

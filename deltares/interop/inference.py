@@ -16,7 +16,7 @@ from deltares.interop import hf
 from deltares.training.checkpoint import load_checkpoint
 from deltares.data.dataset import TokenData
 from deltares.data.tokenizer import load_tokenizer
-from deltares.data.runs import run_dataset_path
+from deltares.data.run_data import run_dataset_path
 from deltares.nn.model import Transformer
 from deltares.training.steps import abstract_params
 

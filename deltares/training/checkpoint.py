@@ -36,7 +36,7 @@ from etils import epath
 from deltares.data import paths
 from deltares.nn.model import Transformer
 from deltares.training.checkpoint_check import step_problem
-from deltares.training.configs import with_schema_defaults
+from deltares.training.experiment import with_schema_defaults
 from deltares.training.sharding import state_shardings
 from deltares.training.steps import abstract_params
 

@@ -112,7 +112,7 @@ def step_mesh(cfg, devices, where: str, override: str | None = None):
 
 def train_step(cfg, mesh):
     """(step, abstract_state, batch_sharding) of deltares.training.sharding for `cfg` on `mesh`."""
-    from deltares.training.state import sharded_train_step
+    from deltares.training.program import sharded_train_step
 
     training = sharded_train_step(cfg, mesh)
     return training.step, training.abstract_state, training.batch_sharding

@@ -10,7 +10,7 @@ and the depth-source buffer, `act_embed`) split their model dimension over
 `jax.shard_map` (deltares.nn.layers.xla_route). A logical name whose mesh axis is already
 taken in the same array falls back to replicated, so one table serves
 parameters (`embed` -> fsdp) and activations (`batch` takes fsdp first).
-This module provides meshes and shardings; deltares.training.state assembles the sharded steps.
+This module provides meshes and shardings; deltares.training.program assembles the sharded steps.
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def train_step_table(layers: int, batch: int, seq_len: int, impl: str, interpret
 
 
 if __name__ == "__main__":
-    from deltares import entry
+    from deltares import command_line
 
-    entry.quiet_libtpu_off_tpu()  # a command: libtpu quiet on a machine without a TPU (see deltares.entry)
+    command_line.quiet_libtpu_off_tpu()  # a command: libtpu quiet on a machine without a TPU (see deltares.command_line)
     main()

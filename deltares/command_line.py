@@ -88,7 +88,7 @@ def _help_as_under_python_m(module_name: str) -> None:
 def config_override_error(argv: list[str], err: BaseException) -> str:
     """One line for a `--config.<field>=value` override that fails while the flags are parsed: the
     first override naming no field of the schema, with the closest field that exists."""
-    from deltares.training.configs import field_names  # noqa: PLC0415 - only on this error path
+    from deltares.training.experiment import field_names  # noqa: PLC0415 - only on this error path
 
     names = field_names()
     for arg in argv[1:]:

@@ -225,46 +225,13 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
 
     devices = _gpu_devices(gpu) if gpu else topology_devices(topology)
     mesh = step_mesh(cfg, devices, topology or gpu, mesh_override)
-    t = cfg.train
-    global_batch, seq_len = t.global_batch, cfg.data.seq_len
-    device = devices[0]
-    if gpu:  # the GPU compiler compiles any size; the target config states the device's memory
-        from deltares.training.gpu_aot import device_memory_bytes
-
-        hbm, hbm_source = device_memory_bytes(gpu), "target_config"
-    else:
-        hbm, hbm_source = hbm_of(device)
+    global_batch, seq_len = cfg.train.global_batch, cfg.data.seq_len
     try:
         step, abstract_state, batch_sharding = train_step(cfg, mesh)
     except ValueError as err:
         raise AotError(f"config: {err}") from None
     batch = jax.ShapeDtypeStruct((global_batch, seq_len + 1), jnp.int32, sharding=batch_sharding)
-
-    from deltares.training.memory import routing_floor_bytes
-
-    floor = routing_floor_bytes(cfg, mesh, modes=(cfg.model.residual.mode,))[cfg.model.residual.mode]
-    report = dict(
-        config=config_name,
-        scale=cfg.scale,
-        mode=cfg.model.residual.mode,
-        topology=topology,
-        gpu=gpu,
-        device_kind=device.device_kind,
-        devices=len(devices),
-        mesh={k: int(v) for k, v in mesh.shape.items()},
-        global_batch=global_batch,
-        seq_len=seq_len,
-        micro_batches=t.micro_batches,
-        remat=cfg.model.remat,
-        dtype=cfg.model.dtype,
-        params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state["params"])),
-        hbm_bytes=hbm,
-        hbm_source=hbm_source,
-        # what any implementation of this mode must hold beyond baseline (memory.routing_floor_bytes)
-        floor_bytes=floor["total_bytes"],
-        floor_sources_bytes=floor["sources_bytes"],
-        floor_live_slots=floor["live_slots"],
-    )
+    report = _report_header(cfg, topology, gpu, devices, mesh, abstract_state, config_name)
 
     start = time.perf_counter()
     flops = jaxpr_flops(_trace(step, abstract_state, batch).jaxpr.jaxpr)
@@ -278,37 +245,76 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
         if not is_oom(err):
             raise
         report["compile_seconds"] = round(time.perf_counter() - start, 1)
-        figures = parse_oom(str(err))
-        args = _per_device_bytes((abstract_state, batch))
-        required = figures.get("required")
-        if required is not None and figures.get("required_what") == "temporaries":
-            required += args  # the compiler names only its temporaries; the state is there too
-        if figures.get("hbm"):
-            report.update(hbm_bytes=figures["hbm"], hbm_source="compiler")
-        report.update(
-            fits=False,
-            per_device_bytes=required,
-            argument_bytes=args,
-            compiler_message=str(err).strip()[:4000],
-        )
-        return report
+        return _report_oom(report, err, _per_device_bytes((abstract_state, batch)))
     report["compile_seconds"] = round(time.perf_counter() - start, 1)
+    return _report_compiled(report, compiled, len(devices), cfg.model.residual.impl)
+
+
+def _report_header(cfg, topology, gpu, devices, mesh, abstract_state, config_name: str) -> dict:
+    """What the report says before compiling: the target, the run's shapes, the device's memory and
+    the mode's routing floor (memory.routing_floor_bytes: what any implementation holds beyond baseline)."""
+    from deltares.training.memory import routing_floor_bytes
+
+    if gpu:  # the GPU compiler compiles any size; the target config states the device's memory
+        from deltares.training.gpu_aot import device_memory_bytes
+
+        hbm, hbm_source = device_memory_bytes(gpu), "target_config"
+    else:
+        hbm, hbm_source = hbm_of(devices[0])
+    mode = cfg.model.residual.mode
+    floor = routing_floor_bytes(cfg, mesh, modes=(mode,))[mode]
+    return dict(
+        config=config_name,
+        scale=cfg.scale,
+        mode=mode,
+        topology=topology,
+        gpu=gpu,
+        device_kind=devices[0].device_kind,
+        devices=len(devices),
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        global_batch=cfg.train.global_batch,
+        seq_len=cfg.data.seq_len,
+        micro_batches=cfg.train.micro_batches,
+        remat=cfg.model.remat,
+        dtype=cfg.model.dtype,
+        params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state["params"])),
+        hbm_bytes=hbm,
+        hbm_source=hbm_source,
+        floor_bytes=floor["total_bytes"],
+        floor_sources_bytes=floor["sources_bytes"],
+        floor_live_slots=floor["live_slots"],
+    )
+
+
+def _report_oom(report: dict, err: Exception, argument_bytes: int) -> dict:
+    """The report of a step the compiler refused for memory: what it says it needed."""
+    figures = parse_oom(str(err))
+    required = figures.get("required")
+    if required is not None and figures.get("required_what") == "temporaries":
+        required += argument_bytes  # the compiler names only its temporaries; the state is there too
+    if figures.get("hbm"):
+        report.update(hbm_bytes=figures["hbm"], hbm_source="compiler")
+    report.update(fits=False, per_device_bytes=required, argument_bytes=argument_bytes,
+                  compiler_message=str(err).strip()[:4000])
+    return report
+
+
+def _report_compiled(report: dict, compiled, n_devices: int, routing_impl: str) -> dict:
+    """The report of a compiled step: its memory by part, whether it fits, XLA's FLOPs and the
+    Pallas kernels (Mosaic on TPU, Triton on GPU: the fused depth routing when impl is a kernel)."""
     mem = compiled_bytes(compiled)
-    parts = dict(argument_bytes=mem["arguments"], output_bytes=mem["outputs"], alias_bytes=mem["aliased"],
-                 temp_bytes=mem["temporaries"], code_bytes=mem["code"])
     total = mem["total"] + mem["code"]  # aliased bytes are counted once, in the arguments
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_flops = float((cost or {}).get("flops", math.nan))
-    report.update(parts)
+    report.update(argument_bytes=mem["arguments"], output_bytes=mem["outputs"], alias_bytes=mem["aliased"],
+                  temp_bytes=mem["temporaries"], code_bytes=mem["code"])
     report.update(
         per_device_bytes=total,
-        fits=bool(hbm is not None and total <= hbm),
+        fits=bool(report["hbm_bytes"] is not None and total <= report["hbm_bytes"]),
         xla_flops_per_device=xla_flops,
-        xla_flops_per_step=xla_flops * len(devices),
-        routing_impl=cfg.model.residual.impl,
-        # Mosaic (TPU) or Triton (GPU) kernels in the compiled program: the fused depth routing when
-        # impl is a kernel.
+        xla_flops_per_step=xla_flops * n_devices,
+        routing_impl=routing_impl,
         pallas_kernel_calls=pallas_kernel_calls(compiled.as_text()),
     )
     return report

@@ -294,6 +294,27 @@ def group_runs(paths: list[str], seed_pattern: str = SEED_PATTERN, baseline: lis
         re.compile(seed_pattern)
     except re.error as err:
         raise AnalysisError(f"--seed_pattern {seed_pattern!r} is not a regular expression: {err}") from None
+    loaded, excluded = _load_runs(paths, seed_pattern)
+    by_group: dict[str, list] = {}
+    for summary, fields in loaded:
+        by_group.setdefault(group_name(summary["run"], seed_pattern), []).append((summary, fields))
+    groups = []
+    for name, members in by_group.items():
+        _check_group(name, members)
+        groups.append(_group(name, members, excluded))
+    order, scales = list(PAPER_COLUMNS), list(dict.fromkeys(g["scale_label"] for g in groups))
+    groups.sort(key=lambda g: (scales.index(g["scale_label"]),
+                               order.index(g["mode"]) if g["mode"] in order else len(order), g["group"]))
+    _set_baselines(groups, baseline)
+    if not any(g["n"] for g in groups):
+        raise AnalysisError("no complete run (a final validation at config.train.steps) among the runs given: "
+                            + ", ".join(e["run"] for e in excluded))
+    return dict(seed_pattern=seed_pattern, groups=groups, excluded=excluded, runs=[s for s, _ in loaded])
+
+
+def _load_runs(paths: list[str], seed_pattern: str) -> tuple[list, list]:
+    """([(summary, compared config fields)] of the runs of `paths`, [runs excluded for having no
+    checkpoint yet]); AnalysisError for two runs of one name."""
     loaded, excluded = [], []
     for path in paths:
         try:
@@ -310,42 +331,32 @@ def group_runs(paths: list[str], seed_pattern: str = SEED_PATTERN, baseline: lis
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise AnalysisError(f"runs of the same name given twice: {', '.join(twice)}")
+    return loaded, excluded
 
-    by_group: dict[str, list] = {}
-    for summary, fields in loaded:
-        by_group.setdefault(group_name(summary["run"], seed_pattern), []).append((summary, fields))
-    groups = []
-    for name, members in by_group.items():
-        _check_group(name, members)
-        done = []
-        for summary, _ in members:
-            if summary["val_step"] is None or summary["val_step"] != summary["train_steps"]:
-                last = "no validation" if summary["val_step"] is None else f"last validation at step {summary['val_step']}"
-                excluded.append(dict(run=summary["run"], workdir=summary["workdir"], group=name,
-                                     reason=f"{last}, config.train.steps={summary['train_steps']}"))
-            elif summary["val_ppl"] is None:
-                excluded.append(dict(run=summary["run"], workdir=summary["workdir"], group=name,
-                                     reason=f"the final validation perplexity (step {summary['val_step']}) is not finite"))
-            else:
-                done.append(summary)
-        first, fields = members[0]
-        groups.append(dict(
-            group=name, mode=first["mode"], scale=first["scale"], scale_label=scale_label(first),
-            d_model=first["d_model"], n_layers=first["n_layers"], block_layers=first["block_layers"],
-            routing_lr=first["routing_lr"],
-            steps=first["train_steps"], runs=[s["run"] for s in done], seeds=[s["seed"] for s in done],
-            excluded=[e["run"] for e in excluded if e["group"] == name], n=len(done),
-            **{q: stats([s[q] for s in done]) for q in QUANTITIES},
-            config=fields,
-        ))
-    order, scales = list(PAPER_COLUMNS), list(dict.fromkeys(g["scale_label"] for g in groups))
-    groups.sort(key=lambda g: (scales.index(g["scale_label"]),
-                               order.index(g["mode"]) if g["mode"] in order else len(order), g["group"]))
-    _set_baselines(groups, baseline)
-    if not any(g["n"] for g in groups):
-        raise AnalysisError("no complete run (a final validation at config.train.steps) among the runs given: "
-                            + ", ".join(e["run"] for e in excluded))
-    return dict(seed_pattern=seed_pattern, groups=groups, excluded=excluded, runs=[s for s, _ in loaded])
+
+def _group(name: str, members: list, excluded: list) -> dict:
+    """Group `name`'s report over its complete runs; the others are appended to `excluded` with the reason."""
+    done = []
+    for summary, _ in members:
+        if summary["val_step"] is None or summary["val_step"] != summary["train_steps"]:
+            last = "no validation" if summary["val_step"] is None else f"last validation at step {summary['val_step']}"
+            excluded.append(dict(run=summary["run"], workdir=summary["workdir"], group=name,
+                                 reason=f"{last}, config.train.steps={summary['train_steps']}"))
+        elif summary["val_ppl"] is None:
+            excluded.append(dict(run=summary["run"], workdir=summary["workdir"], group=name,
+                                 reason=f"the final validation perplexity (step {summary['val_step']}) is not finite"))
+        else:
+            done.append(summary)
+    first, fields = members[0]
+    return dict(
+        group=name, mode=first["mode"], scale=first["scale"], scale_label=scale_label(first),
+        d_model=first["d_model"], n_layers=first["n_layers"], block_layers=first["block_layers"],
+        routing_lr=first["routing_lr"],
+        steps=first["train_steps"], runs=[s["run"] for s in done], seeds=[s["seed"] for s in done],
+        excluded=[e["run"] for e in excluded if e["group"] == name], n=len(done),
+        **{q: stats([s[q] for s in done]) for q in QUANTITIES},
+        config=fields,
+    )
 
 
 def _check_group(name: str, members: list) -> None:

@@ -115,16 +115,7 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int, mi
     `max_new_tokens`), at any of the `stop` strings (needs
     `tokenizer`; the text is cut before it, as lm-eval's generate_until expects), or after
     `max_new_tokens`."""
-    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
-        raise ValueError("prompts must be a list of token-id lists (a batch), not one list of ids")
-    if not prompts or any(not len(p) for p in prompts):
-        raise ValueError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    if min_new_tokens < 0:
-        raise ValueError(f"min_new_tokens={min_new_tokens} must be at least 0")
-    if num_samples < 1:
-        raise ValueError(f"num_samples={num_samples} must be at least 1")
+    _check_request(prompts, max_new_tokens, min_new_tokens, num_samples)
     stop = [s for s in (stop or []) if s]
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
@@ -167,6 +158,20 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int, mi
     if tokenizer is not None:
         text = [t if t is not None else tokenizer.decode(o) for t, o in zip(text, out)]
     return [Continuation(o, t) for o, t in zip(out, text)]
+
+
+def _check_request(prompts, max_new_tokens: int, min_new_tokens: int, num_samples: int) -> None:
+    """ValueError naming what is wrong with a `generate` request."""
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
+        raise ValueError("prompts must be a list of token-id lists (a batch), not one list of ids")
+    if not prompts or any(not len(p) for p in prompts):
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens={min_new_tokens} must be at least 0")
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples} must be at least 1")
 
 
 def fit_context(prompts: list[list[int]], context: int) -> tuple[list[list[int]], list[str]]:

@@ -401,121 +401,160 @@ def _last_good(ckpt: Checkpointer) -> str:
 
 def _train(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Checkpointer,
            lock: WorkdirLock | None = None) -> dict:
-    t = cfg.train
-    state, start = _start_state(cfg, workdir, run, training, ckpt)
-    data_iter, val, bpt = run.train, run.val, run.bytes_per_token
-    train_step, eval_step, stats_step, schedules = training.step, training.eval_step, training.stats_step, training.schedules
-    all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
-    config_record, dataset_record = config_json(cfg), run.data.record()
+    """Trains to config.train.steps from where the run stands; the final (or last) evaluation."""
+    loop = _TrainLoop(cfg, workdir, run, training, ckpt, lock)
     try:
-        tracker = open_tracker(t.wandb, workdir, config_record)  # None unless config.train.wandb.project
-    except TrackerError as err:
-        raise TrainError(str(err)) from None
-    writer = MetricsWriter(workdir, resume_step=start, tracker=tracker)
-    profiler = Profiler(workdir, t.profile_steps, t.profile_all_processes)
-    tokens_per_step = t.global_batch * cfg.data.seq_len
-    flops_per_step = model_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-    peak = peak_flops_per_device(t.peak_tflops)
-    peak = peak and peak * jax.device_count()  # None for an unknown device: mfu is null
-    peak_memory = PeakMemory(train_step)  # device high-water mark, else the compiled step's footprint
-    outputs = _Outputs(cfg.model.vocab_size, run.data.path)
-    single = jax.process_count() == 1
-    if (epochs := run.epoch(t.steps * t.global_batch)) > 1:
-        say(f"warning: {t.steps} steps of {t.global_batch} windows are {epochs:.2f} epochs of {run.data.path}: "
-            "the run repeats its data")
+        return loop.run()
+    finally:
+        loop.close()
 
-    def stop_for_storage(problem: str):
-        writer.truncate_after(ckpt.durable)  # no record of a step that no checkpoint holds
+
+class _TrainLoop:
+    """One run's training loop: steps, metrics records, checkpoints, and a clean stop on a signal, a
+    storage failure or non-finite values (the metrics never hold a step that no checkpoint holds)."""
+
+    def __init__(self, cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Checkpointer,
+                 lock: WorkdirLock | None):
+        t = cfg.train
+        self.cfg, self.workdir, self.run_data, self.training, self.ckpt, self.lock = cfg, workdir, run, training, ckpt, lock
+        self.state, self.start = _start_state(cfg, workdir, run, training, ckpt)
+        self.all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
+        self.config_record, self.dataset_record = config_json(cfg), run.data.record()
+        try:
+            tracker = open_tracker(t.wandb, workdir, self.config_record)  # None unless config.train.wandb.project
+        except TrackerError as err:
+            raise TrainError(str(err)) from None
+        self.writer = MetricsWriter(workdir, resume_step=self.start, tracker=tracker)
+        self.profiler = Profiler(workdir, t.profile_steps, t.profile_all_processes)
+        self.records = _Records(cfg, run, training)
+        self.outputs = _Outputs(cfg.model.vocab_size, run.data.path)
+        self.single = jax.process_count() == 1
+        self.last_eval: dict = {}
+        self.stop = StopRequest()
+        self.bar = tqdm(total=t.steps, initial=self.start, unit="step", desc="train", dynamic_ncols=True,
+                        file=sys.stderr, disable=jax.process_index() != 0)
+        if (epochs := run.epoch(t.steps * t.global_batch)) > 1:
+            say(f"warning: {t.steps} steps of {t.global_batch} windows are {epochs:.2f} epochs of {run.data.path}: "
+                "the run repeats its data")
+
+    def close(self) -> None:
+        self.stop.restore()
+        self.bar.close()
+        self.profiler.stop()
+        self.writer.close()
+
+    def stop_for_storage(self, problem: str):
+        self.writer.truncate_after(self.ckpt.durable)  # no record of a step that no checkpoint holds
         raise TrainError(problem)
 
-    def save(step):
+    def save(self, step: int) -> None:
+        ckpt = self.ckpt
         try:
-            ckpt.save(step, state, data_iter.get_state(), config_record, dataset_record)
+            ckpt.save(step, self.state, self.run_data.train.get_state(), self.config_record, self.dataset_record)
         except CheckpointError as err:
-            stop_for_storage(str(err))
+            self.stop_for_storage(str(err))
         except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
             previous = (f"the previous checkpoint, step {ckpt.durable}, is intact" if ckpt.durable is not None
                         else "no checkpoint was saved before it")
-            stop_for_storage(f"saving step {step} failed ({first_line(err)}); {previous} in {ckpt.directory}")
+            self.stop_for_storage(f"saving step {step} failed ({first_line(err)}); {previous} in {ckpt.directory}")
 
-    stop = StopRequest()
-    bar = tqdm(total=t.steps, initial=start, unit="step", desc="train", dynamic_ncols=True, file=sys.stderr,
-               disable=jax.process_index() != 0)
-    last_eval = {}
-    step, timed, window_start = start, 0, time.perf_counter()  # throughput window, compilation excluded
-    try:
+    def log(self, step: int, batch, step_time: float, save_now: bool) -> None:
+        """The record of a logging (or saving) step, after checking that what is saved is finite."""
+        losses, norms = self.outputs.read(self.ckpt)
+        if save_now and not bool(self.all_finite(self.state["params"])):
+            raise TrainError(f"non-finite loss or parameters at step {step}; stopped. {_last_good(self.ckpt)}")
+        record, evaluation = self.records.at(step, self.state, batch, losses, norms, step_time)
+        self.last_eval = evaluation or self.last_eval
+        try:
+            self.writer.write(step, record)
+        except OSError as err:
+            self.stop_for_storage(f"writing the metrics of step {step} to {self.workdir} failed "
+                                  f"({err.strerror or err}); {_last_good(self.ckpt)}")
+        self.bar.set_postfix(loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+
+    def check_storage(self, wait: bool = False) -> None:
+        """Stops the run if the last save failed (`wait`: after waiting for it) or the storage is unfit."""
+        problem = _wait_and_check(self.ckpt) if wait else None
+        if problem or (problem := _storage_problem(self.ckpt, self.lock, not self.single)):
+            self.stop_for_storage(problem)
+
+    def run(self) -> dict:
+        t, start = self.cfg.train, self.start
+        step, timed, window_start = start, 0, time.perf_counter()  # throughput window, compilation excluded
         while step < t.steps:
-            profiler.before(step + 1)
-            batch = shard_batch(next(data_iter), training.batch_sharding)
-            state, out = train_step(state, batch)
+            self.profiler.before(step + 1)
+            batch = shard_batch(next(self.run_data.train), self.training.batch_sharding)
+            self.state, out = self.training.step(self.state, batch)
             step += 1
-            bar.update(1)
-            outputs.add(step, out)
-            profiler.after(step, out)
+            self.bar.update(1)
+            self.outputs.add(step, out)
+            self.profiler.after(step, out)
             if step == start + 1:
                 jax.block_until_ready(out)
                 timed, window_start = -1, time.perf_counter()
             timed += 1
-            stopping = stop.at(step)  # read once: a signal arriving later in this step is handled next step
+            stopping = self.stop.at(step)  # read once: a signal arriving later in this step is handled next step
             boundary = step % t.log_every == 0 or step == t.steps or stopping
             save_now = step % t.checkpoint_every == 0 or step == t.steps or stopping
-            if (single or boundary or save_now) and (problem := _storage_problem(ckpt, lock, not single)):
-                stop_for_storage(problem)
+            if self.single or boundary or save_now:
+                self.check_storage()
             if boundary or save_now:
-                losses, norms = outputs.read(ckpt)
-                if save_now and not bool(all_finite(state["params"])):
-                    raise TrainError(f"non-finite loss or parameters at step {step}; stopped. {_last_good(ckpt)}")
-                elapsed = time.perf_counter() - window_start
-                step_time = elapsed / timed if timed else math.nan
-                record = {
-                    "loss": losses[-1],
-                    "loss_mean": float(np.mean(losses)),
-                    "lr": float(schedules["model"](step - 1)),  # the rate this step's update used
-                    "grad_norm": norms[-1],
-                    "tokens_per_s": tokens_per_step / step_time,
-                    "step_time_s": step_time,
-                    "mfu": mfu(flops_per_step, step_time, peak),
-                    "tokens_seen": step * tokens_per_step,
-                    "epoch": run.epoch(step * t.global_batch),
-                }
-                if step % t.eval_every == 0 or step == t.steps:
-                    last_eval = evaluate(eval_step, state["params"], val, bpt)
-                    record.update(last_eval)
-                if t.stats_every and step % t.stats_every == 0:
-                    stats = jax.device_get(stats_step(state["params"], batch))
-                    record["routing_max_weight"] = stats["max_weight"].round(4).tolist()
-                    record["routing_entropy"] = stats["entropy"].round(4).tolist()
-                if (peak_bytes := peak_memory(state, batch)) is not None:
-                    record["peak_bytes"] = peak_bytes
-                try:
-                    writer.write(step, record)
-                except OSError as err:
-                    stop_for_storage(f"writing the metrics of step {step} to {workdir} failed ({err.strerror or err}); "
-                                     f"{_last_good(ckpt)}")
-                bar.set_postfix(loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+                self.log(step, batch, (time.perf_counter() - window_start) / timed if timed else math.nan, save_now)
             if save_now:
-                save(step)
+                self.save(step)
             if boundary or save_now:
                 timed, window_start = 0, time.perf_counter()
             if stopping:
-                if problem := (_wait_and_check(ckpt) or _storage_problem(ckpt, lock, not single)):
-                    stop_for_storage(problem)
-                bar.close()
+                self.check_storage(wait=True)
+                self.bar.close()
                 if jax.process_index() == 0:
-                    print(f"{stopping}: saved step {step} to {ckpt.directory}; rerun the same command to resume.")
-                return {"step": step, "stopped": stopping, **last_eval}
-        if (problem := _wait_and_check(ckpt)) or (problem := _storage_problem(ckpt, lock, not single)):
-            stop_for_storage(problem)
-        if not last_eval:  # resumed a finished run: report its final evaluation
-            last_eval = evaluate(eval_step, state["params"], val, bpt)
-    finally:
-        stop.restore()
-        bar.close()
-        profiler.stop()
-        writer.close()
-    if jax.process_index() != 0:  # the corpus's unigram perplexity is printed by process 0
-        return {"step": step, **last_eval}
-    return {"step": step, **last_eval, "unigram_ppl": unigram_perplexity(run.data)}
+                    print(f"{stopping}: saved step {step} to {self.ckpt.directory}; rerun the same command to resume.")
+                return {"step": step, "stopped": stopping, **self.last_eval}
+        self.check_storage(wait=True)
+        if not self.last_eval:  # resumed a finished run: report its final evaluation
+            run = self.run_data
+            self.last_eval = evaluate(self.training.eval_step, self.state["params"], run.val, run.bytes_per_token)
+        if jax.process_index() != 0:  # the corpus's unigram perplexity is printed by process 0
+            return {"step": step, **self.last_eval}
+        return {"step": step, **self.last_eval, "unigram_ppl": unigram_perplexity(self.run_data.data)}
+
+
+class _Records:
+    """The metrics record of a logging step: the losses and gradient norms since the last one, the
+    learning rate, throughput and MFU, and where due the evaluation, routing statistics and peak memory."""
+
+    def __init__(self, cfg, run: RunData, training: ShardedTraining):
+        self.cfg, self.run, self.training = cfg, run, training
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.flops_per_step = model_flops_per_token(cfg.model, cfg.data.seq_len) * self.tokens_per_step
+        peak = peak_flops_per_device(cfg.train.peak_tflops)
+        self.peak = peak and peak * jax.device_count()  # None for an unknown device: mfu is null
+        self.peak_memory = PeakMemory(training.step)  # device high-water mark, else the compiled step's footprint
+
+    def at(self, step: int, state, batch, losses, norms, step_time: float) -> tuple[dict, dict | None]:
+        """(the record of `step`, its evaluation or None where none was due)."""
+        t, params, evaluation = self.cfg.train, state["params"], None
+        record = {
+            "loss": losses[-1],
+            "loss_mean": float(np.mean(losses)),
+            "lr": float(self.training.schedules["model"](step - 1)),  # the rate this step's update used
+            "grad_norm": norms[-1],
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "mfu": mfu(self.flops_per_step, step_time, self.peak),
+            "tokens_seen": step * self.tokens_per_step,
+            "epoch": self.run.epoch(step * t.global_batch),
+        }
+        if step % t.eval_every == 0 or step == t.steps:
+            evaluation = evaluate(self.training.eval_step, params, self.run.val, self.run.bytes_per_token)
+            record.update(evaluation)
+        if t.stats_every and step % t.stats_every == 0:
+            stats = jax.device_get(self.training.stats_step(params, batch))
+            record["routing_max_weight"] = stats["max_weight"].round(4).tolist()
+            record["routing_entropy"] = stats["entropy"].round(4).tolist()
+        if (peak_bytes := self.peak_memory(state, batch)) is not None:
+            record["peak_bytes"] = peak_bytes
+        return record, evaluation
 
 
 def _wait_and_check(ckpt: Checkpointer) -> str | None:

@@ -59,3 +59,16 @@ def test_the_top_level_holds_only_the_tools():
     assert top == TOOLS | {"__init__", "command_line"}, top
     assert {d for d in os.listdir(PACKAGE) if os.path.isdir(os.path.join(PACKAGE, d)) and d != "__pycache__"} == {
         "nn", "training", "data", "interop"}
+
+
+def test_the_kernel_package_imports_no_deltares():
+    """kernels_pallas stands alone (its oracle is its own reference.py); only its benchmark's train-step
+    table runs deltares' model."""
+    kernels = os.path.join(ROOT, "kernels_pallas")
+    bad = []
+    for folder, _, files in os.walk(kernels):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and name != "bench.py" and deltares_imports(path):
+                bad.append(os.path.relpath(path, ROOT))
+    assert not bad, bad

@@ -439,16 +439,9 @@ def _flat(params) -> dict[tuple[str, ...], np.ndarray]:
     return {tuple(str(k.key) for k in path): leaf for path, leaf in leaves}
 
 
-def to_hf(cfg, params, path: str, *, dtype: str = "float32", tokenizer: str | None = None,
-          template: dict | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Writes `params` of `config.model` `cfg` as a Hugging Face checkpoint directory `path`:
-    config.json, safetensors (sharded with an index above `max_shard_bytes`), and the
-    tokenizer from `tokenizer` (a tokenizer.json or a directory holding one) when given."""
-    validate_model_config(cfg)
-    if dtype not in ("float32", "bfloat16"):
-        raise HFError(f"dtype {dtype!r}: allowed float32, bfloat16")
-    table = tensor_table(cfg)
-    flat = _flat(params)
+def _check_export(cfg, table, flat) -> dict:
+    """{parameter path: shape} of every parameter `table` exports; HFError where `flat` lacks one, has one
+    of another shape, or has one the table does not know."""
     need = {p: shape for p, _, _, shape, layer in table if layer is None}
     need.update({p: (cfg.n_layers,) + shape for p, _, _, shape, layer in table if layer is not None})
     for p, shape in need.items():
@@ -459,14 +452,11 @@ def to_hf(cfg, params, path: str, *, dtype: str = "float32", tokenizer: str | No
     extra = sorted(set(flat) - set(need))
     if extra:
         raise HFError(f"parameter {'/'.join(extra[0])}: not part of a {cfg.residual.mode} model of this config")
-    tokenizer_file = None
-    if tokenizer:
-        tokenizer_file = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
-        if not os.path.exists(tokenizer_file):
-            raise HFError(f"{tokenizer_file}: missing (the tokenizer to export)")
+    return need
 
-    np_dtype = np.dtype(dtype_of(dtype))
-    sizes = [math.prod(_hf_shape(layout, shape)) * np_dtype.itemsize for _, _, layout, shape, _ in table]
+
+def _shards(table, sizes, max_shard_bytes: int) -> list[list]:
+    """The table's entries in order, cut into shards of at most `max_shard_bytes` (one entry at least)."""
     shards, current, size = [], [], 0
     for entry, nbytes in zip(table, sizes):
         if current and size + nbytes > max_shard_bytes:
@@ -475,7 +465,29 @@ def to_hf(cfg, params, path: str, *, dtype: str = "float32", tokenizer: str | No
         current.append(entry)
         size += nbytes
     shards.append(current)
+    return shards
 
+
+def to_hf(cfg, params, path: str, *, dtype: str = "float32", tokenizer: str | None = None,
+          template: dict | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Writes `params` of `config.model` `cfg` as a Hugging Face checkpoint directory `path`:
+    config.json, safetensors (sharded with an index above `max_shard_bytes`), and the
+    tokenizer from `tokenizer` (a tokenizer.json or a directory holding one) when given."""
+    validate_model_config(cfg)
+    if dtype not in ("float32", "bfloat16"):
+        raise HFError(f"dtype {dtype!r}: allowed float32, bfloat16")
+    table = tensor_table(cfg)
+    flat = _flat(params)
+    need = _check_export(cfg, table, flat)
+    tokenizer_file = None
+    if tokenizer:
+        tokenizer_file = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+        if not os.path.exists(tokenizer_file):
+            raise HFError(f"{tokenizer_file}: missing (the tokenizer to export)")
+
+    np_dtype = np.dtype(dtype_of(dtype))
+    sizes = [math.prod(_hf_shape(layout, shape)) * np_dtype.itemsize for _, _, layout, shape, _ in table]
+    shards = _shards(table, sizes, max_shard_bytes)
     os.makedirs(path, exist_ok=True)
     host = {p: None for p in need}
 

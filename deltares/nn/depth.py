@@ -523,6 +523,39 @@ def _absorb_prefix(acc, d_reads):
     return d_sources, d_inv, d_window, d_window_inv, d_out + d_prefix.out_BTD, d_lse + d_prefix.lse_BT
 
 
+def _grouped_layer_backward(layer_fn, plan: ResidualPlan, final: DepthState, params_l, layer, i: int, h_l, h_block,
+                            prefix: Prefix, d_h, d_block, acc, eps: float):
+    """Two-phase backward of layer i of its group (`_layer_backward` with the layer's `prefix`: its two
+    sublayers' phase-one out and lse, and in the per-sublayer modes the group's window of slots).
+    `acc` = (d_sources, d_inv, d_window, d_window_inv). Returns (d_h, d_block, the layer's d params,
+    (d_window, d_window_inv, d out, d lse))."""
+    window = prefix.window_SBTD
+
+    def delta(p, h, pre, hb, k):
+        return layer_fn(p, DepthState(h, final.sources_SBTD, final.inv_rms_SBT, hb), layer, only=k, prefix=pre)
+
+    attn_vjp = None
+    if plan.mode in BLOCK_MODES:  # attention's forward gives v_attn
+        v_attn, attn_vjp = jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, 0), params_l, h_l, prefix, h_block)
+        v_attn = v_attn[0]
+    else:
+        v_attn = window[2 * i]  # slot 2 * layer + 1
+
+    def vjp_of(k, h_in):
+        return jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, k), params_l, h_in, prefix, h_block)[1]
+
+    def slot_cotangent(acc, k, slot):  # read by later groups (the buffer) and group-mates (the window)
+        d_slot, d_slot_inv = acc[0][slot], acc[1][slot]
+        if 2 * i + k < window.shape[0]:
+            d_slot, d_slot_inv = d_slot + acc[2][2 * i + k].astype(d_slot.dtype), d_slot_inv + acc[3][2 * i + k]
+        return d_slot, d_slot_inv
+
+    zeros = (jnp.zeros_like(prefix.out_BTD[0]), jnp.zeros_like(prefix.lse_BT[0]))  # d out, d lse of the layer
+    d_h, d_block, d_params_l, acc = _layer_backward(plan, None, layer, h_l, v_attn, attn_vjp, vjp_of, _absorb_prefix,
+                                                    slot_cotangent, final, d_h, d_block, acc + zeros, eps)
+    return d_h, d_block, d_params_l, acc[2:]
+
+
 def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, d_final: DepthState,
                       plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS, prefix_grad=None):
     """The backward pass of two-phase routing, group by group in reverse (`_sublayer_backward` is
@@ -557,36 +590,11 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
             # the layer's recomputation waits for the later layer's cotangent: without the barrier
             # XLA may recompute every layer of the group at once, holding all their activations
             d_h, h_l = jax.lax.optimization_barrier((d_h, h_L[layer]))
-            params_l = _layer_of(params_G, i)
             h_block = h_L[block_start[layer]] if block else None
             prefix = Prefix(out[2 * i: 2 * i + 2], lse[2 * i: 2 * i + 2], window, window_inv)
-
-            def delta(p, h, prefix, h_block, k, layer=layer):
-                return layer_fn(p, DepthState(h, final.sources_SBTD, final.inv_rms_SBT, h_block), layer, only=k,
-                                prefix=prefix)
-
-            attn_vjp = None
-            if block:
-                v_attn, attn_vjp = jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, 0), params_l, h_l, prefix,
-                                           h_block)
-                v_attn = v_attn[0]
-            else:
-                v_attn = window[2 * i]  # slot 2 * layer + 1
-
-            def vjp_of(k, h_in, params_l=params_l, prefix=prefix, h_block=h_block, delta=delta):
-                return jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, k), params_l, h_in, prefix, h_block)[1]
-
-            def slot_cotangent(acc, k, slot, i=i):  # read by later groups (the buffer) and group-mates (the window)
-                d_slot, d_slot_inv = acc[0][slot], acc[1][slot]
-                if 2 * i + k < window.shape[0]:
-                    d_slot, d_slot_inv = d_slot + acc[2][2 * i + k].astype(d_slot.dtype), d_slot_inv + acc[3][2 * i + k]
-                return d_slot, d_slot_inv
-
-            zeros = (jnp.zeros_like(out[0]), jnp.zeros_like(lse[0]))  # d out, d lse of the layer
-            d_h, d_block, d_params_l, acc = _layer_backward(
-                plan, None, layer, h_l, v_attn, attn_vjp, vjp_of, _absorb_prefix, slot_cotangent, final, d_h, d_block,
-                (d_sources, d_inv, d_window, d_window_inv) + zeros, eps)
-            d_window, d_window_inv, d_out_l, d_lse_l = acc[2:]
+            d_h, d_block, d_params_l, (d_window, d_window_inv, d_out_l, d_lse_l) = _grouped_layer_backward(
+                layer_fn, plan, final, _layer_of(params_G, i), layer, i, h_l, h_block, prefix, d_h, d_block,
+                (d_sources, d_inv, d_window, d_window_inv), eps)
             d_out[i], d_lse[i], d_params[i] = d_out_l, d_lse_l, d_params_l
         d_out, d_lse = jnp.concatenate(d_out), jnp.concatenate(d_lse)
         if prefix_grad is None:

@@ -102,31 +102,34 @@ class Transformer(nn.Module):
             if wants_stats(self):
                 self.sow(STATS_COLLECTION, "stats", stats)
 
+        final_router = None
         if plan.replaces_stream:
             res = cfg.residual
-            final_router = DepthRouter(impl=res.impl, interpret=res.interpret,
-                                       epsilon=cfg.norm_eps, name="final_router")
-        else:
-            final_router = None
+            final_router = DepthRouter(impl=res.impl, interpret=res.interpret, epsilon=cfg.norm_eps, name="final_router")
         out_BTD = stack_output(plan, state, final_router)
         if logits_at is not None:
             out_BTD = jnp.take_along_axis(out_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
-        x_BTD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(out_BTD)
-        if cfg.tie_embeddings:
-            head = embed.attend
-        else:
-            head = Projection(
-                "btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype, param_dtype, name="lm_head"
-            )
-        if targets_BT is None:
-            result = head(x_BTD).astype(jnp.float32)  # logits [B, T, V]
-        else:  # the head's kernel [D, V] (tied: the embedding table transposed), chunked NLL [B, T]
-            kernel_DV = embed.embedding.T if cfg.tie_embeddings else head.kernel
-            kernel_DV = nn.with_logical_constraint(kernel_DV, ("embed", "vocab"))
-            result = head_token_nll(x_BTD, kernel_DV, targets_BT, cfg.loss_chunk, dtype)
+        result = self._head(embed, RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(out_BTD), targets_BT)
         if cache is not None:
             return result, cache
         return (result, stats) if return_stats else result
+
+
+    def _head(self, embed: nn.Embed, x_BTD, targets_BT):
+        """Logits [B, T, V] (float32), or given targets their per-token NLL [B, T] computed in chunks by
+        `head_token_nll` from the head's kernel [D, V] (tied: the embedding table transposed)."""
+        cfg = self.config
+        dtype = dtype_of(cfg.dtype)
+        if cfg.tie_embeddings:
+            head = embed.attend
+        else:
+            head = Projection("btd,dv->btv", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype,
+                              dtype_of(cfg.param_dtype), name="lm_head")
+        if targets_BT is None:
+            return head(x_BTD).astype(jnp.float32)
+        kernel_DV = embed.embedding.T if cfg.tie_embeddings else head.kernel
+        kernel_DV = nn.with_logical_constraint(kernel_DV, ("embed", "vocab"))
+        return head_token_nll(x_BTD, kernel_DV, targets_BT, cfg.loss_chunk, dtype)
 
 
 def layer_queries(params_l):

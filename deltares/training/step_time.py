@@ -234,6 +234,19 @@ def _mesh(cfg, topology: str, mesh_override: str | None):
     return mesh, devices
 
 
+def _figures_at_depth(points: dict, specs, n_layers: int, n_slots: int, reads, full: bool) -> tuple[dict, str]:
+    """(the FIGURES at the model's depth, the method): the full compile's, or extrapolated from the
+    shallow compiles `points` (baseline: in layers; routed modes: in layers and slot reads)."""
+    if full:
+        return {k: points[(n_layers, specs[0][1])][k] for k in FIGURES}, "full"
+    if n_slots == 0:
+        figures = {k: extrapolate({n: points[(n, bl)][k] for n, bl, _ in specs}, n_layers) for k in FIGURES}
+        return figures, "linear" if len(specs) == 2 else f"polynomial degree {len(specs) - 1}"
+    figures = {k: extrapolate_reads({(n, R): points[(n, bl)][k] for n, bl, R in specs}, n_layers, reads)
+               for k in FIGURES}
+    return figures, "linear" if len(specs) == 2 else "layers and slot reads"
+
+
 def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, layers: Sequence[int] | None = None,
                        full: bool = False) -> dict:
     """The TPU compiler's estimated time of one train step of `cfg` on `topology` (the mesh as
@@ -264,16 +277,7 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     else:  # measured on a shallow model: the loss does not depend on depth
         n, bl, _ = shallow[0]
         loss = loss_loop_costs(_with(cfg, n_layers=n, block_layers=bl), mesh, None if full else points[(n, bl)])
-    if full:
-        figures = {k: points[(n_layers, specs[0][1])][k] for k in FIGURES}
-        method = "full"
-    elif n_slots == 0:
-        figures = {k: extrapolate({n: points[(n, bl)][k] for n, bl, _ in specs}, n_layers) for k in FIGURES}
-        method = "linear" if len(specs) == 2 else f"polynomial degree {len(specs) - 1}"
-    else:
-        figures = {k: extrapolate_reads({(n, R): points[(n, bl)][k] for n, bl, R in specs}, n_layers, reads)
-                   for k in FIGURES}
-        method = "linear" if len(specs) == 2 else "layers and slot reads"
+    figures, method = _figures_at_depth(points, specs, n_layers, n_slots, reads, full)
     if loss:
         figures = {k: v + loss["missing"][k] for k, v in figures.items()}
     compile_seconds = sum(p["compile_seconds"] for p in points.values())

@@ -250,6 +250,10 @@ def test_router_takes_flax_style_dtype_and_initialisers():
         out_BTD, weights_SBT = call()
         np.testing.assert_allclose(np.asarray(weights_SBT), 0.5)  # equal sources: equal weights, any query
         np.testing.assert_allclose(np.asarray(out_BTD), 1.0)
+        assert out_BTD.dtype == jnp.float32  # the sources' dtype
+    out_BTD, _ = LinenRouter(dtype=jnp.bfloat16).apply({"params": params}, sources_SBTD, inv_SBT, valid_S)
+    assert out_BTD.dtype == jnp.bfloat16
+    assert NNXRouter(8, dtype=jnp.bfloat16)(sources_SBTD, inv_SBT, valid_S)[0].dtype == jnp.bfloat16
 
 
 def test_small_model_config_works_as_it_stands():

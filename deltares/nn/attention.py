@@ -122,3 +122,6 @@ def _splash(q_BTHE, k_BTKE, v_BTKE, segments_BT, interpret: bool):
     fn = (lambda q, k, v, s=None: local(q, k, v, s))
     # check_vma off: the kernel's outputs declare no varying mesh axes (jax 0.10's splash), which the check rejects
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+
+
+__all__ = ["ATTENTION_IMPLS", "causal_attention", "check_attention", "splash_block"]

@@ -60,3 +60,6 @@ def use_axis_names(axis_names: Mapping | None):
     current = tuple(nn.get_logical_axis_rules())
     with nn.logical_axis_rules(alias_rules(axis_names, current) + current):
         yield
+
+
+__all__ = ["ROLES", "SOURCES_AXES", "STREAM_AXES", "alias_rules", "check_axis_names", "use_axis_names"]

@@ -215,3 +215,6 @@ def validate_model_config(cfg) -> None:
 def dtype_of(name: str):
     """The jnp dtype for a validated dtype name."""
     return DTYPES[name]
+
+
+__all__ = ["ADDITIVE_MODES", "BLOCK_MODES", "MODEL_FIELDS", "MODES", "Mode", "REMAT_POLICIES", "REPLACEMENT_MODES", "ROUTING_IMPLS", "dtype_of", "model_config", "validate_model_config"]

@@ -74,3 +74,6 @@ class DecoderLayer(nn.Module):
             return out
         state, stats = out
         return state, (stats, new_cache[0])
+
+
+__all__ = ["DecoderLayer"]

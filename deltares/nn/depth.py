@@ -615,3 +615,6 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
     carry, d_full = jax.lax.scan(lambda c, xs: run_group(c, xs[0], xs[1], G), carry, (full, firsts), reverse=True,
                                  unroll=unroll)
     return _ungroup(d_full, d_tail), _initial_cotangent(plan, *carry, d_final.sources_SBTD.dtype)
+
+
+__all__ = ["DepthState", "Prefix", "add_delta", "depth_scan", "init_depth_state", "stack_output", "sublayer_input"]

@@ -177,9 +177,9 @@ class DepthRouter(nn.Module):
     computes exactly the pretrained function at step 0; `null_source` adds the paper's
     learned null source (zeros) to every routing. `epsilon` is the key norm's (config.model.norm_eps,
     the one the cached 1/rms was computed with); it also normalises the null source and, in
-    the kernel, every source. `param_dtype`, `query_init`, `gain_init`: as in flax's layers
-    (the defaults are the paper's: a zero query routes uniformly at step 0). The output has the
-    sources' dtype; logits and softmax are float32.
+    the kernel, every source. `dtype`, `param_dtype`, `query_init`, `gain_init`: as in flax's
+    layers (the defaults are the paper's: a zero query routes uniformly at step 0). Logits and
+    softmax are float32; the output has `dtype`, by default the sources' dtype.
     """
 
     gate: bool = False
@@ -187,6 +187,7 @@ class DepthRouter(nn.Module):
     impl: str = "xla"  # else the fused Pallas kernel ("pallas": best for the backend), which returns no weights
     interpret: bool = False  # run the kernel in Pallas interpret mode (CPU tests)
     epsilon: float = routing.NORM_EPS
+    dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     query_init: Callable = nn.initializers.zeros
     gain_init: Callable = nn.initializers.ones
@@ -203,8 +204,9 @@ class DepthRouter(nn.Module):
         params = {name: self.param(name, _param_init(inits.get(name, ROUTER_PARAMS[name][0]), ROUTER_PARAMS[name][1]),
                                    router_param_shape(name, D), self.param_dtype)
                   for name in router_param_names(self.gate, self.null_source)}
-        return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
-                            interpret=self.interpret, eps=self.epsilon, prefix=prefix)
+        out_BTD, weights_SBT = apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
+                                            interpret=self.interpret, eps=self.epsilon, prefix=prefix)
+        return (out_BTD if self.dtype is None else out_BTD.astype(self.dtype)), weights_SBT
 
 
 # A router's parameters (float32): name -> (initialiser, logical axis names); shape [D], the gate [1].
@@ -423,3 +425,6 @@ def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, 
     # indices, which the check rejects (jax 0.10); the compiled kernels keep it
     fn = jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P(), btd), out_specs=btd, check_vma=not interpret)
     return fn(sources_SBTD, valid, query_D, gain_D, residual_BTD)
+
+
+__all__ = ["MLP", "ROUTER_PARAMS", "Attention", "DepthRouter", "Projection", "RMSNorm", "Rope", "apply_router", "init_router_params", "rope_tables"]

@@ -48,3 +48,6 @@ def head_token_nll(x_BTD, kernel_DV, targets_BT, chunk: int = 0, dtype=jnp.float
     targets_GBW = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
     nll_GBW = jax.lax.map(lambda args: jax.checkpoint(nll)(*args), (x_GBWD, targets_GBW))
     return nll_GBW.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T]
+
+
+__all__ = ["head_token_nll", "lm_loss", "masked_mean", "token_nll"]

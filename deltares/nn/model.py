@@ -144,3 +144,6 @@ def init_cache(model_cfg, batch: int, max_len: int):
     (keys, values), each [L, B, max_len, n_kv_heads, head_dim] in the compute dtype."""
     shape = (model_cfg.n_layers, batch, max_len, model_cfg.n_kv_heads, model_cfg.head_dim)
     return tuple(jnp.zeros(shape, dtype_of(model_cfg.dtype)) for _ in range(2))
+
+
+__all__ = ["Transformer", "init_cache", "layer_queries"]

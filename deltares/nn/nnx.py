@@ -27,10 +27,10 @@ class DepthRouter(nnx.Module):
     """One sublayer's routing parameters on a model dimension `d_model`; see deltares.nn.layers.DepthRouter."""
 
     def __init__(self, d_model: int, *, gate: bool = False, null_source: bool = False, impl: str = "xla",
-                 interpret: bool = False, epsilon: float = routing.NORM_EPS, param_dtype=jnp.float32,
+                 interpret: bool = False, epsilon: float = routing.NORM_EPS, dtype=None, param_dtype=jnp.float32,
                  query_init=nnx.initializers.zeros, gain_init=nnx.initializers.ones, rngs: nnx.Rngs | None = None):
         self.param_names = router_param_names(gate, null_source)
-        self.impl, self.interpret, self.epsilon = impl, interpret, epsilon
+        self.impl, self.interpret, self.epsilon, self.dtype = impl, interpret, epsilon, dtype
         inits = dict(query=query_init, gain=gain_init)
         key = rngs.params() if rngs is not None else jax.random.key(0)  # the default initialisers are constants
         for name in self.param_names:
@@ -40,8 +40,9 @@ class DepthRouter(nnx.Module):
 
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         params = {name: getattr(self, name)[...] for name in self.param_names}
-        return apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
-                            interpret=self.interpret, eps=self.epsilon, prefix=prefix)
+        out_BTD, weights_SBT = apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
+                                            interpret=self.interpret, eps=self.epsilon, prefix=prefix)
+        return (out_BTD if self.dtype is None else out_BTD.astype(self.dtype)), weights_SBT
 
 
 class StackLayer(nnx.Module):

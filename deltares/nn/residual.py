@@ -200,3 +200,6 @@ def two_phase(model_cfg) -> bool:
     res = model_cfg.residual
     return (res.mode != "baseline" and model_cfg.scan_layers and model_cfg.remat != "none"
             and res.group_layers > 0)
+
+
+__all__ = ["ResidualPlan", "Segment", "make_plan", "plan_for", "two_phase"]

@@ -139,3 +139,6 @@ def depth_route(sources, valid, query, gain, residual=None, *, eps=NORM_EPS, ret
         raise ValueError(f"residual must have shape {sources.shape[1:]}, got {jnp.shape(residual)}")
     out, weights = route_normalized(sources, inv_rms(sources, eps), valid, query, gain, residual)
     return (out, weights) if return_weights else out
+
+
+__all__ = ["NORM_EPS", "accumulation_dtype", "depth_route", "inv_rms", "route_normalized", "route_prefix"]

@@ -34,7 +34,7 @@ from deltares.data.documents import DataError
 from deltares.data.run_data import check_token_ids, run_dataset_path
 from deltares.nn.model import Transformer
 from deltares.training.checkpoint import CheckpointError, load_checkpoint
-from deltares.training.evaluation import metrics, score
+from deltares.training.scoring import metrics, score
 from deltares.training.steps import make_eval_step
 
 

@@ -39,7 +39,7 @@ from deltares.interop import hf
 from deltares.nn.attention import check_attention
 from deltares.training.experiment import validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
-from deltares.training.evaluation import evaluate
+from deltares.training.scoring import evaluate
 from deltares.training.memory import PeakMemory
 from deltares.training.metrics import MetricsWriter, Profiler, mfu, model_flops_per_token, peak_flops_per_device
 from deltares.training.sharding import LOGICAL_RULES, check_batch_split, make_mesh, shard_batch

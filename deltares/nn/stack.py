@@ -67,7 +67,7 @@ class RoutedLayer(nn.Module):
             if self.routing.uses_routers:
                 router = DepthRouter(self.gate, self.null_source, epsilon=self.routing.epsilon, name=f"{name}_router")
             pairs.append((router, lambda x, body=body: body(x, *args)))
-        return self.routing.layer(state, layer, pairs, only=only, stats=self.stats)
+        return self.routing.layer(state, layer, pairs, only=only, prefix=prefix, stats=self.stats)
 
 
 def stack_layers(parent: nn.Module, layer_cls, fields: tuple, routing: DepthRouting, state, args: tuple = (), *,

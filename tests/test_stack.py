@@ -57,6 +57,16 @@ class NNXDense(nnx.Module):
         return jnp.tanh(y) if self.kind == "tanh" else jnp.sin(y)
 
 
+class Narrow(nn.Module):
+    """A wrong sublayer: its output is `width` wide, not the stream's D."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x_BTD, shift=0.0):
+        return nn.Dense(self.width)(x_BTD)
+
+
 SUBLAYERS = (functools.partial(Dense, "tanh"), functools.partial(Dense, "sin"))
 E_BTD = jax.random.normal(jax.random.key(9), (2, 5, D))
 SHIFT = 0.25
@@ -209,6 +219,9 @@ def test_stack_refuses_bad_arguments_with_one_clear_error():
         DepthStack(SUBLAYERS, L, "delta").init(jax.random.key(0), E_BTD[0])
     with pytest.raises(ValueError, match="block_layers"):
         DepthStack(SUBLAYERS, L, "delta_block", block_layers=4).init(jax.random.key(0), E_BTD)
+    for kw, which in (({}, "of a scanned layer"), (dict(scan=False), "sublayer 0 ")):
+        with pytest.raises(ValueError, match=which + r".*returned a delta of shape \(2, 5, 4\); the stream is \(2, 5, 8\)"):
+            DepthStack((functools.partial(Narrow, 4), SUBLAYERS[1]), L, "delta", **kw).init(jax.random.key(0), E_BTD)
     routing = DepthRouting("delta", 2)
     state = routing.start(E_BTD)
     for j in (-1, 4):

@@ -129,6 +129,10 @@ class DepthRouting:
     def add(self, state: DepthState, j, v_BTD) -> DepthState:
         """Adds sublayer j's delta v_j to the stream and to its source slot."""
         self._check_index(j)
+        if jnp.shape(v_BTD) != jnp.shape(state.h_BTD):
+            which = f"sublayer {j}" if isinstance(j, int) else f"sublayer {SUBLAYERS_PER_LAYER} l + {{0, 1}} of a scanned layer l"
+            raise ValueError(f"{which} returned a delta of shape {jnp.shape(v_BTD)}; the stream is "
+                             f"{jnp.shape(state.h_BTD)} [B, T, D]: a sublayer maps [B, T, D] to [B, T, D]")
         with self.names():
             return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.epsilon)
 

@@ -215,6 +215,9 @@ def test_stack_refuses_bad_arguments_with_one_clear_error():
         DepthStack(SUBLAYERS[:1], L, "delta").init(jax.random.key(0), E_BTD)
     with pytest.raises(ValueError, match="must be a factory"):
         DepthStack((SUBLAYERS[0], 3), L, "delta").init(jax.random.key(0), E_BTD)
+    for not_a_module in (jnp.tanh, lambda name: None):
+        with pytest.raises(ValueError, match=r"sublayers\[1\] must make a linen Module when called as factory\(name='mlp'\)"):
+            DepthStack((SUBLAYERS[0], not_a_module), L, "delta").init(jax.random.key(0), E_BTD)
     with pytest.raises(ValueError, match=r"input is \[B, T, D\]"):
         DepthStack(SUBLAYERS, L, "delta").init(jax.random.key(0), E_BTD[0])
     with pytest.raises(ValueError, match="block_layers"):

@@ -61,13 +61,27 @@ class RoutedLayer(nn.Module):
     @nn.compact
     def __call__(self, state, layer, xs, *args, only=None, prefix=None):
         pairs = []
-        for name, factory in zip(self.names, self.sublayers):
-            body = factory(name=name)
+        for k, (name, factory) in enumerate(zip(self.names, self.sublayers)):
+            body = _build(factory, k, name)
             router = None
             if self.routing.uses_routers:
                 router = DepthRouter(self.gate, self.null_source, epsilon=self.routing.epsilon, name=f"{name}_router")
             pairs.append((router, lambda x, body=body: body(x, *args)))
         return self.routing.layer(state, layer, pairs, only=only, prefix=prefix, stats=self.stats)
+
+
+def _build(factory, k: int, name: str) -> nn.Module:
+    """sublayers[k] built as `factory(name=name)`; ValueError unless that makes a linen Module."""
+    try:
+        body = factory(name=name)
+    except TypeError as err:
+        if "name" not in str(err):
+            raise
+        body = None
+    if not isinstance(body, nn.Module):
+        raise ValueError(f"sublayers[{k}] must make a linen Module when called as factory(name={name!r}) (a Module "
+                         f"class, or functools.partial of one), got {factory!r}")
+    return body
 
 
 def stack_layers(parent: nn.Module, layer_cls, fields: tuple, routing: DepthRouting, state, args: tuple = (), *,

@@ -319,8 +319,10 @@ def test_tpu_training_is_detached_logged_and_stopped_on_a_fake_worker(fake_gclou
         assert "--logs" in res.stderr and "--stop" in res.stderr
         wait_until(lambda: pidfile.exists() and pidfile.read_text().strip())  # written by the detached shell
         pid = int(pidfile.read_text())
-        # The trainer outlives the SSH command, in a session of its own, deaf to the hangup.
-        assert trainer_alive(pid) and os.getsid(pid) == pid
+        # The trainer outlives the SSH command, in a session of its own, deaf to the hangup. (Waited for:
+        # while the shell that wrote the pid file execs into the trainer, /proc/PID/cmdline can read empty.)
+        wait_until(lambda: trainer_alive(pid))
+        assert os.getsid(pid) == pid
         wait_until(lambda: "fake trainer in" in log.read_text())
         os.kill(pid, signal.SIGHUP)
         time.sleep(0.3)

@@ -32,9 +32,9 @@ class DepthRouter(nnx.Module):
         self.param_names = router_param_names(gate, null_source)
         self.impl, self.interpret, self.epsilon, self.dtype = impl, interpret, epsilon, dtype
         inits = dict(query=query_init, gain=gain_init)
-        key = rngs.params() if rngs is not None else jax.random.key(0)  # the default initialisers are constants
         for name in self.param_names:
             init, axes = ROUTER_PARAMS[name]
+            key = rngs.params() if rngs is not None else jax.random.key(0)  # the default initialisers are constants
             value = inits.get(name, init)(key, router_param_shape(name, d_model), param_dtype)
             setattr(self, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
 

@@ -346,12 +346,16 @@ def test_tpu_training_is_detached_logged_and_stopped_on_a_fake_worker(fake_gclou
         assert log.read_text().rstrip().endswith("fake trainer: SIGTERM, saved")
         res, _ = fake_gcloud("--name", "run1", "--zone", "us-east5-a", "--stop", home=home)
         assert res.returncode == 0 and "no training running" in res.stdout
-    finally:  # a failed test must not leave a trainer behind
+    finally:  # a failed test must not leave a trainer behind: the detached trainer leads its own session
         deadline = time.monotonic() + 5
         while not pidfile.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        if pidfile.exists() and trainer_alive(pid := int(pidfile.read_text() or 0)):
-            os.kill(pid, signal.SIGKILL)
+        if pidfile.exists() and (pid := int(pidfile.read_text() or 0)):
+            try:
+                if os.getsid(pid) == pid:  # that session, not a recycled pid
+                    os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 FAKE_CURL = """#!/usr/bin/env bash

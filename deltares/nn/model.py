@@ -21,7 +21,7 @@ from deltares.nn.layers import (
     DepthRouter, Projection, Rope, RMSNorm, _param_init, dense_init, document_rope, rope_tables,
 )
 from deltares.nn.losses import head_token_nll
-from deltares.nn.residual import plan_for, two_phase
+from deltares.nn.residual import two_phase
 from deltares.nn.routed import STATS_COLLECTION, DepthRouting, sublayer_stats, wants_stats
 from deltares.nn.stack import stack_layers
 
@@ -42,12 +42,11 @@ class Transformer(nn.Module):
         object.__setattr__(self, "config", _frozen(self.config))
         super().__post_init__()
 
-    def _layers(self, state, rope, return_stats: bool, cache=None, pos=None):
+    def _layers(self, routing: DepthRouting, state, rope, return_stats: bool, cache=None, pos=None):
         """The L layers (deltares.nn.stack.stack_layers: the one layer stack, scanned or unrolled, with
         remat and the store-once pass), threading each layer's attention cache when decoding
         (nothing differentiated: no remat). Returns (state, stacked stats or None, new cache or None)."""
         cfg = self.config
-        routing = DepthRouting.from_config(cfg)
         decoding = cache is not None
         grouped = two_phase(cfg) and not return_stats  # statistics need every weight: one pass per sublayer
         state, out = stack_layers(
@@ -80,7 +79,8 @@ class Transformer(nn.Module):
         if targets_BT is not None and (cache is not None or logits_at is not None):
             raise ValueError("targets_BT (the loss) is not available with a cache or logits_at")
         dtype, param_dtype = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-        plan = plan_for(cfg)
+        routing = DepthRouting.from_config(cfg)
+        plan = routing.plan
         embed = nn.Embed(
             cfg.vocab_size,
             cfg.d_model,
@@ -96,7 +96,7 @@ class Transformer(nn.Module):
             rope = document_rope(segments_BT, cfg.head_dim, cfg.rope_theta)
         state = init_depth_state(e_BTD, plan, cfg.norm_eps, listed=not cfg.scan_layers)
         want_stats = cache is None and (return_stats or wants_stats(self))
-        state, stats, cache = self._layers(state, rope, want_stats, cache, pos)
+        state, stats, cache = self._layers(routing, state, rope, want_stats, cache, pos)
         if want_stats:
             stats = sublayer_stats(stats, plan)
             if wants_stats(self):

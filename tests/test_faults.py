@@ -48,6 +48,9 @@ DAMAGE = {  # what the issue lists: each gave a 160-line traceback and blocked e
     "missing_METADATA": (lambda d: os.remove(os.path.join(d, "state", "_METADATA")), "state/_METADATA is missing"),
     "missing_state": (lambda d: shutil.rmtree(os.path.join(d, "state")), "state/ is missing"),
     "empty_config": (lambda d: open(os.path.join(d, "config", "metadata"), "w").close(), "config/metadata is not"),
+    # orbax reads it with the metadata; garbled, it hid every parameter (a TypeError in eval)
+    "garbled_sharding": (lambda d: open(os.path.join(d, "state", "_sharding"), "wb").write(b"\x93garbled"),
+                         "state/_sharding is not readable JSON"),
 }
 
 

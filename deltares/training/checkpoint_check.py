@@ -109,6 +109,8 @@ def _check_state(state: epath.Path, params_only: bool) -> None:
     names = _array_names(tree, params_only)
     if not names:
         raise _Damage("state/_METADATA lists no parameters")
+    if (state / "_sharding").exists():  # orbax reads it with the metadata: a damaged one hides every array
+        _read_json(state / "_sharding", "state/_sharding")
     if not meta.get("use_ocdbt", True):
         missing = [n for n in names if not (state / n).is_dir()]
         if missing:

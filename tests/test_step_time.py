@@ -154,3 +154,49 @@ def test_estimate_from_shallow_compiles_matches_the_full_unroll():
         assert estimate[key] == pytest.approx(full[key], rel=0.02), key
     assert estimate["flops_per_step"] == pytest.approx(4 * estimate["flops"])
     assert estimate["loss_loop"] is None  # debug's loss is not chunked
+
+
+RECOMPUTE = r"""
+import json
+import jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from deltares.nn import Transformer
+from deltares.nn.config import model_config
+from deltares.training.compile_only import topology_devices
+
+device = SingleDeviceSharding(topology_devices("v5e:1x1")[0])
+out = {}
+for remat in ("full", "none"):
+    cfg = model_config(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1024,
+                       dtype="bfloat16", loss_chunk=0, remat=remat, scan_unroll=True, residual=dict(mode="baseline"))
+    model = Transformer(cfg)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((4, 128), jnp.int32))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), params)
+    tokens = jax.ShapeDtypeStruct((4, 128), jnp.int32, sharding=device)
+    grad = jax.jit(jax.grad(lambda p, t: model.apply(p, t).astype(jnp.float32).sum()))
+    cost = grad.lower(params, tokens).compile().cost_analysis()
+    out[remat] = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+print(json.dumps(out))
+"""
+
+
+@needs_libtpu
+def test_unrolled_layers_keep_their_recompute():
+    """The estimate compiles the layer scan unrolled, where remat's recomputed forward sits beside the
+    forward in one program; the TPU compiler merges equal expressions there (all of them under jax
+    0.12, some under 0.10) unless remat forbids it, and would then price a program without remat.
+    The unrolled layers keep the recompute: the gradient with remat `full` costs at least the
+    forward matrix products the backward pass needs once more (q, k, v, gate, up, the scores and
+    their product with v; not the output and down projections, whose outputs nothing reads),
+    at most the whole forward's."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", RECOMPUTE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    flops = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens, d, heads, kv_heads, head_dim, d_ff = 4 * 128, 256, 4, 2, 64, 1024
+    needed = d * (heads + 2 * kv_heads) * head_dim + 2 * d * d_ff  # weights of q, k, v, gate, up
+    unread = heads * head_dim * d + d_ff * d  # output and down projections
+    scores = 2 * 2 * 4 * 128 * 128 * heads * head_dim  # q k^T and p v
+    low, high = 2 * (2 * tokens * needed + scores), 2 * (2 * tokens * (needed + unread) + scores)
+    assert low <= flops["full"] - flops["none"] <= high

@@ -116,7 +116,9 @@ def stack_layers(parent: nn.Module, layer_cls, fields: tuple, routing: DepthRout
         params_L = nn.meta.unbox(parent.variables["params"]["layers"])
         return depth_scan(layer_fn, params_L, state, routing.plan, unroll=unroll, eps=routing.epsilon,
                           queries_fn=queries_fn, impl=impl, interpret=interpret)
-    layer = nn.remat(layer_cls, prevent_cse=False, policy=policy) if remat else layer_cls
+    # prevent_cse=False is safe only in a loop: fully unrolled, XLA would merge the recomputed forward
+    # with the forward (jax 0.12 does) and the remat would silently not happen (nor be estimated).
+    layer = nn.remat(layer_cls, prevent_cse=unroll, policy=policy) if remat else layer_cls
     scanned = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(0, 0) + (nn.broadcast,) * len(args), length=n_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"}, unroll=n_layers if unroll else 1)

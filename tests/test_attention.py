@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deltares.nn.attention import causal_attention, check_attention, splash_block
+from deltares.nn.attention import _query_blocks, causal_attention, check_attention, splash_block
 from deltares.nn.config import model_config
 from deltares.nn.model import Transformer
 
@@ -50,6 +50,40 @@ def test_attention_equals_numpy(impl, with_documents):
     seg = documents() if with_documents else None
     got = causal_attention(q, k, v, None if seg is None else jnp.asarray(seg), impl=impl, interpret=True)
     np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, seg), atol=2e-5)
+
+
+@pytest.mark.parametrize("block", [64, 96, 256])
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_query_blocks_equal_numpy_and_jax(block, with_documents):
+    """The "xla" attention in blocks of queries (4 blocks; 3 with a short last one; one) equals the
+    NumPy reference, and its gradients equal those of `jax.nn.dot_product_attention`."""
+    q, k, v = inputs(3)
+    seg = jnp.asarray(documents()) if with_documents else None
+    got = _query_blocks(q, k, v, seg, block=block)
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(q, k, v, documents() if with_documents else None),
+                               atol=2e-5)
+    probe = jax.random.normal(jax.random.key(4), (B, T, H, E))
+    mask = None if seg is None else (seg[:, :, None] == seg[:, None, :])[:, None]
+    want = jax.grad(lambda *a: jnp.sum(jax.nn.dot_product_attention(*a, mask=mask, is_causal=True) * probe),
+                    argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(lambda *a: jnp.sum(_query_blocks(*a, seg, block=block) * probe), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        assert float(jnp.max(jnp.abs(w))) > 1e-2  # a real gradient
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=5e-5)
+
+
+def test_query_blocks_skip_the_masked_triangle():
+    """Blocks of T/4 queries compute 5/8 of the T x T scores: the compiled gradient has fewer FLOPs
+    than one block's, by at least the skipped 3/8 of the score and weighted-value products."""
+    q, k, v = inputs()
+
+    def flops(block):
+        grad = jax.jit(jax.grad(lambda *a: jnp.sum(_query_blocks(*a, None, block=block)), argnums=(0, 1, 2)))
+        cost = grad.lower(q, k, v).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+    products = 2 * B * H * T * T * E * 2 * 3  # q k^T and p v, forward and two products each backward
+    assert flops(T) - flops(T // 4) >= 3 / 8 * products
 
 
 @pytest.mark.parametrize("with_documents", [False, True])

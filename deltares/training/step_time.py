@@ -10,7 +10,9 @@ the real chip overlaps what the model assumes it overlaps. Use it to compare pro
 The cost analysis counts the body of a loop once, whatever its trip count, so:
 
 - every layer scan must be unrolled (`config.model.scan_unroll=True`: nn.scan and the two
-  scans of the store-once depth pass);
+  scans of the store-once depth pass); unrolled, the layers' remat forbids the compiler to merge
+  the recomputed forward with the forward (`prevent_cse`), which inside the loop of the real
+  program it cannot do anyway;
 - the chunked loss (`config.model.loss_chunk`, a `lax.map` over chunks of the sequence,
   forward and backward) is a loop that stays: its body is measured by one more compile with
   half the chunk (the body's cost is linear in the chunk's tokens: b(c) = 2 (t(c) - t(c/2)))

@@ -1,13 +1,15 @@
 """The attention implementations (`config.model.attention`, deltares.nn.attention) compute causal
 grouped-query attention exactly as a NumPy reference; splash (the TPU Pallas kernel) runs in the
-Pallas interpreter here, and its gradients match XLA's. cuDNN needs a GPU: here only its refusal."""
+Pallas interpreter here, and its gradients match XLA's. cuDNN needs a GPU: on a CPU only its refusal,
+on a GPU (`JAX_PLATFORMS=cuda python -m pytest tests/test_attention.py -k cudnn`) its output and gradients."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deltares.nn.attention import _query_blocks, causal_attention, check_attention, splash_block
+from deltares.nn import attention
+from deltares.nn.attention import _query_blocks, auto_is_cudnn, causal_attention, check_attention, splash_block
 from deltares.nn.config import model_config
 from deltares.nn.model import Transformer
 
@@ -142,6 +144,68 @@ def test_attention_refuses_other_platforms(impl, platform, message):
     with pytest.raises(ValueError, match=message):
         check_attention(impl, platform, 2048)
     check_attention("xla", platform, 100)  # xla runs everywhere, any length
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on NVIDIA GPUs (JAX_PLATFORMS=cuda there)")
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_cudnn_equals_numpy_and_xla_on_a_gpu(with_documents):
+    """cuDNN's flash attention (bfloat16, as the model runs it) against the float64 NumPy reference,
+    and its gradients against those of the "xla" attention in float32 on the same bfloat16 inputs."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in inputs(5))
+    seg = documents() if with_documents else None
+    seg_j = None if seg is None else jnp.asarray(seg)
+    got = causal_attention(q, k, v, seg_j, impl="cudnn")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), numpy_attention(q, k, v, seg), atol=2e-2)
+    probe = jax.random.normal(jax.random.key(6), (B, T, H, E))
+
+    def loss(impl, dtype):
+        return lambda *a: jnp.sum(causal_attention(*(x.astype(dtype) for x in a), seg_j, impl=impl)
+                                  .astype(jnp.float32) * probe)
+
+    want = jax.grad(loss("xla", jnp.float32), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss("cudnn", jnp.bfloat16), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        scale = float(jnp.max(jnp.abs(w)))
+        assert scale > 1e-2  # a real gradient
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=2e-2 * scale)
+
+
+def test_auto_means_cudnn_on_gpus_in_half_precision():
+    assert auto_is_cudnn("gpu", jnp.bfloat16, 64) and auto_is_cudnn("cuda", jnp.float16, 128)
+    assert not auto_is_cudnn("gpu", jnp.float32, 64)  # cuDNN's flash attention: 16-bit inputs only
+    assert not auto_is_cudnn("gpu", jnp.bfloat16, 136) and not auto_is_cudnn("gpu", jnp.bfloat16, 60)
+    assert not auto_is_cudnn("cpu", jnp.bfloat16, 64) and not auto_is_cudnn("tpu", jnp.bfloat16, 64)
+
+
+def test_auto_tries_cudnn_for_a_gpu_and_falls_back_to_xla(monkeypatch):
+    """"auto" off a GPU is "xla"; for a GPU target in bfloat16 it calls cuDNN, and where cuDNN is not
+    found (here: a CPU machine) it computes the "xla" attention instead of failing."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in inputs())
+    want = _query_blocks(q, k, v, None)
+    np.testing.assert_array_equal(np.asarray(causal_attention(q, k, v, impl="auto"), np.float32),
+                                  np.asarray(want, np.float32))
+    calls = []
+
+    def cudnn(*args):
+        calls.append(args)
+        return attention.jax.nn.dot_product_attention(*args[:3], is_causal=True, implementation="cudnn")
+
+    monkeypatch.setattr(attention, "_cudnn", cudnn)
+    monkeypatch.setattr(attention, "target_platform", lambda: "gpu")
+    got = causal_attention(q, k, v, impl="auto")
+    assert len(calls) == 1
+    if jax.default_backend() != "gpu":  # cuDNN not found: the xla attention
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    causal_attention(q.astype(jnp.float32), k, v, impl="auto")
+    assert len(calls) == 1  # float32: xla without trying cuDNN
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on NVIDIA GPUs (JAX_PLATFORMS=cuda there)")
+def test_auto_compiles_cudnn_on_a_gpu():
+    q, k, v = (x.astype(jnp.bfloat16) for x in inputs())
+    hlo = jax.jit(lambda *a: causal_attention(*a, impl="auto")).lower(q, k, v).as_text()
+    assert "cudnn" in hlo
 
 
 def test_cudnn_without_a_gpu_is_one_clear_error():

@@ -1,5 +1,6 @@
 """The fused depth-routing kernels (kernels_pallas.depth_route) against the oracle
-`deltares.nn.routing.depth_route`: forward and gradients in interpret mode on CPU, dispatch and
+`deltares.nn.routing.depth_route`: forward and gradients in interpret mode on CPU (compiled for
+the GPU where the tests run on one, see kernel_mode), dispatch and
 fallback, bad input, the TPU kernel compiled ahead of time for a TPU slice (in a subprocess,
 as in test_aot.py) and the GPU kernel lowered to Triton IR for CUDA.
 """
@@ -15,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
+import kernel_mode
 from deltares.nn import routing
 from kernels_pallas.depth_route import api, depth_route, pallas_gpu, pallas_tpu
 
@@ -77,7 +78,8 @@ CASES = [  # S, B, T, D, dtype, mask, residual
 def test_kernel_matches_oracle(impl, case):
     S, B, T, D, dtype, mask, residual = case
     args = make_inputs(S, B, T, D, dtype, mask, residual, seed=S)
-    out, grads = route_and_grads(lambda *a: depth_route(*a, implementation=impl, interpret=True), *args)
+    interpret = kernel_mode.interpret(impl)
+    out, grads = route_and_grads(lambda *a: depth_route(*a, implementation=impl, interpret=interpret), *args)
     ref_out, ref_grads = route_and_grads(routing.depth_route, *args)
     tol = TOL[dtype]
     assert out.dtype == dtype and out.shape == (B, T, D)
@@ -100,7 +102,8 @@ def test_kernel_takes_the_key_norm_eps(impl):
     args = (sources * 1e-2, valid, query, gain, res)
     outs = {}
     for eps in (1e-6, 1e-3):
-        out, grads = route_and_grads(lambda *a: depth_route(*a, implementation=impl, interpret=True, eps=eps), *args)
+        out, grads = route_and_grads(
+            lambda *a: depth_route(*a, implementation=impl, interpret=kernel_mode.interpret(impl), eps=eps), *args)
         ref_out, ref_grads = route_and_grads(lambda *a: routing.depth_route(*a, eps=eps), *args)
         assert_close(out, ref_out, 1e-5, f"out, eps={eps}")
         for name, g, r in zip(("sources", "query", "gain", "residual"), grads, ref_grads):
@@ -115,12 +118,12 @@ def test_several_token_tiles_and_traced_mask(impl, monkeypatch):
     kernel in the TPU interpret mode (simulated VMEM, DMAs and pipelining of the grid)."""
     monkeypatch.setattr(pallas_tpu, "MAX_TOKENS", 8)  # 6 tiles of 8 tokens
     monkeypatch.setattr(pallas_gpu, "TILE_ELEMS", 32 * 32)  # tiles of 32 tokens: 32 + 16
-    interpret = pltpu.InterpretParams() if impl == "pallas_tpu" else True
+    interpret = kernel_mode.interpret(impl, tpu_simulator=True)
     sources, valid, query, gain, res = make_inputs(5, 4, 12, 32, jnp.float32, "random", True, seed=3)
     valid = valid.at[1].set(False)
     route = jax.jit(lambda s, v, w, g, r: depth_route(s, v, w, g, r, implementation=impl, interpret=interpret))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback to xla
+        warnings.simplefilter("error", UserWarning)  # no fallback to xla
         out, grads = route_and_grads(route, sources, valid, query, gain, res)
     ref_out, ref_grads = route_and_grads(routing.depth_route, sources, valid, query, gain, res)
     assert_close(out, ref_out, 1e-5, "out")
@@ -135,7 +138,7 @@ def test_lse_is_the_log_normaliser(impl):
     q_D = query * gain
     module = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl]
     _, lse = module.forward(sources.reshape(S, B * T, D), valid.astype(jnp.int32), None, q_D, None, eps=1e-6,
-                            interpret=True)
+                            interpret=kernel_mode.interpret(impl))
     logits = jnp.einsum("sbtd,d->sbt", sources, q_D) * routing.inv_rms(sources)
     ref = jax.nn.logsumexp(jnp.where(valid[:, None, None], logits, -jnp.inf), axis=0)
     assert_close(lse.reshape(B, T), ref, 1e-5, "lse")
@@ -165,7 +168,7 @@ def test_default_on_cpu_is_xla_and_unrunnable_kernels_fall_back():
     ref = routing.depth_route(sources, valid, query, gain, res)
     assert api.target_platform() == "cpu"
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the default picks xla silently
+        warnings.simplefilter("error", UserWarning)  # the default picks xla silently
         np.testing.assert_array_equal(depth_route(sources, valid, query, gain, res), ref)
         np.testing.assert_array_equal(depth_route(sources, valid, query, gain, res, implementation="xla"), ref)
     api._WARNED.clear()
@@ -174,7 +177,7 @@ def test_default_on_cpu_is_xla_and_unrunnable_kernels_fall_back():
             out = depth_route(sources, valid, query, gain, res, implementation=impl)
         np.testing.assert_array_equal(out, ref)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # only once
+            warnings.simplefilter("error", UserWarning)  # only once
             depth_route(sources, valid, query, gain, res, implementation=impl)
     # shapes a kernel cannot take: D above the GPU kernel's limit
     big = jnp.ones((1, 1, 1, pallas_gpu.MAX_D * 2))
@@ -287,7 +290,8 @@ def test_model_with_kernel_equals_xla(mode, impl, norm_eps, group, monkeypatch):
     for kernel in ("xla", impl):
         cfg = model_config(vocab_size=32, d_model=16, n_layers=2 + 2 * (group > 0), n_heads=2, n_kv_heads=1,
                            head_dim=8, d_ff=32, dtype="float32", remat="full", norm_eps=norm_eps,
-                           residual=dict(mode=mode, block_layers=max(1, group), impl=kernel, interpret=kernel != "xla",
+                           residual=dict(mode=mode, block_layers=max(1, group), impl=kernel,
+                                         interpret=kernel_mode.interpret(kernel),
                                          gate=mode == "delta_block", group_layers=group if kernel != "xla" else 0,
                                          null_source=mode == "delta" and group > 0))
         model = Transformer(cfg)

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
+import kernel_mode
 from kernels_pallas.depth_route import api, pallas_gpu, pallas_tpu, route_prefix, route_prefix_grad_into
 
 KERNELS = ("pallas_tpu", "pallas_gpu")
@@ -57,19 +57,20 @@ def cotangents(K, B, T, D, seed=7):
     return rng.normal(size=(K, B, T, D)), rng.normal(size=(K, B, T))
 
 
-def kernel_value_and_grads(impl, sources, valid, queries, gains, dtype, interpret=True):
+def kernel_value_and_grads(impl, sources, valid, queries, gains, dtype, interpret=None):
     ct_out, ct_lse = cotangents(queries.shape[0], *sources.shape[1:])
 
     @jax.jit
     def run(s, q, g):
         def loss(s, q, g):
-            out, lse = route_prefix(s, valid, q, g, implementation=impl, interpret=interpret, eps=EPS)
+            out, lse = route_prefix(s, valid, q, g, implementation=impl, eps=EPS,
+                                    interpret=kernel_mode.interpret(impl) if interpret is None else interpret)
             return jnp.vdot(out, ct_out.astype(np.float32)) + jnp.vdot(lse, ct_lse.astype(np.float32)), (out, lse)
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(s, q, g)
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the kernel ran: no fallback to xla
+        warnings.simplefilter("error", UserWarning)  # the kernel ran: no fallback to xla
         grads, (out, lse) = run(jnp.asarray(sources, dtype), jnp.asarray(queries, jnp.float32),
                                 jnp.asarray(gains, jnp.float32))
     return out, lse, grads
@@ -121,7 +122,7 @@ def test_each_query_routes_over_its_own_sources_across_tiles(impl, monkeypatch):
     runs in the TPU interpret mode (simulated VMEM, DMAs and pipelining of the grid)."""
     monkeypatch.setattr(pallas_tpu, "MAX_TOKENS", 8)  # 6 tiles of 8 tokens
     monkeypatch.setattr(pallas_gpu, "TILE_ELEMS", 3 * 16 * 32)  # 16 rows per program: 16 + 16 + 16
-    interpret = pltpu.InterpretParams() if impl == "pallas_tpu" else True
+    interpret = kernel_mode.interpret(impl, tpu_simulator=True)
     sources, valid, queries, gains = make_case(5, 4, 12, 32, 3, jnp.float32, seed=3, dead_source=2)
     valid[1] = [True, False, False, False, False]  # query 1 reads source 0 only: its output is that source
     out, lse, grads = kernel_value_and_grads(impl, sources, valid, queries, gains, jnp.float32, interpret)
@@ -142,15 +143,15 @@ def test_grad_into_adds_the_source_cotangent_in_place(impl, monkeypatch):
     the float64 reference; a slot no query reads comes back bit for bit as it went in (the kernels
     never touch it)."""
     monkeypatch.setattr(pallas_tpu, "MAX_TOKENS", 8)
-    interpret = pltpu.InterpretParams() if impl == "pallas_tpu" else True
+    interpret = kernel_mode.interpret(impl, tpu_simulator=True)
     S, B, T, D, K = 5, 2, 8, 32, 3
     sources, valid, queries, gains = make_case(S, B, T, D, K, jnp.float32, seed=11, dead_source=1)
     ct_out, ct_lse = cotangents(K, B, T, D)
     acc = np.random.default_rng(5).normal(size=sources.shape).astype(np.float32)
     f32 = [jnp.asarray(a, jnp.float32) for a in (sources, queries, gains, ct_out, ct_lse)]
-    out, lse = route_prefix(f32[0], valid, f32[1], f32[2], implementation=impl, interpret=True)
+    out, lse = route_prefix(f32[0], valid, f32[1], f32[2], implementation=impl, interpret=kernel_mode.interpret(impl))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the kernel ran: no fallback to xla
+        warnings.simplefilter("error", UserWarning)  # the kernel ran: no fallback to xla
         got_acc, d_queries, d_gains = jax.jit(lambda *a: route_prefix_grad_into(
             *a, implementation=impl, interpret=interpret))(jnp.asarray(acc), f32[0], valid, f32[1], f32[2], out, lse,
                                                            f32[3], f32[4])
@@ -166,7 +167,7 @@ def test_default_on_cpu_is_xla_and_a_kernel_that_cannot_run_falls_back():
     args = (jnp.asarray(sources, jnp.float32), valid, jnp.asarray(queries, jnp.float32), jnp.asarray(gains, jnp.float32))
     want_out, want_lse = np_prefix(sources, valid, queries, gains)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the default picks xla silently
+        warnings.simplefilter("error", UserWarning)  # the default picks xla silently
         out, lse = route_prefix(*args)
     assert out.dtype == lse.dtype == jnp.float32
     assert_close(out, want_out, 1e-5, "out")

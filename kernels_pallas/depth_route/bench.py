@@ -15,7 +15,8 @@ over the S sources; forward writes K float32 outputs, backward reads dout and wr
 
 Then the train step (deltares.bench: forward, backward and AdamW update) of the 1044M model
 (experiments/s1044m.py, bf16, remat full) for baseline, delta_block and delta, with routing by
-XLA, by the kernel, and by the kernel two-phase (`--train_group_layers`), relative to baseline; `--train_layers` fewer layers when memory is short.
+XLA, by the kernel, and by the kernel two-phase (`--train_group_layers`), relative to baseline; `--train_layers` fewer layers when memory is short
+(0: none).
 Skipped on a CPU unless --train_step is given.
 """
 
@@ -141,14 +142,15 @@ def main(argv=None):
     parser.add_argument("--queries", type=int, default=0,
                         help="time phase one of two-phase routing with this many queries (default 0: depth_route)")
     parser.add_argument("--train_step", action="store_true", help="also time the train step on a CPU")
-    parser.add_argument("--train_layers", type=int, default=36, help="layers of the 1044M model in the train step")
+    parser.add_argument("--train_layers", type=int, default=36,
+                        help="layers of the 1044M model in the train step (0: no train step)")
     parser.add_argument("--train_batch", type=int, default=8, help="sequences per train step")
     parser.add_argument("--train_seq", type=int, default=2048, help="tokens per sequence in the train step")
     parser.add_argument("--train_group_layers", type=int, default=4,
                         help="residual.group_layers of the two-phase kernel rows (default 4; 0 leaves them out)")
     args = parser.parse_args(argv)
-    if args.queries < 0 or args.train_group_layers < 0:
-        parser.error("--queries and --train_group_layers must be non-negative")
+    if args.queries < 0 or args.train_group_layers < 0 or args.train_layers < 0:
+        parser.error("--queries, --train_layers and --train_group_layers must be non-negative")
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
@@ -177,6 +179,9 @@ def main(argv=None):
                     bandwidth, note, args.queries)
     if on_cpu and not args.train_step:
         print("\ntrain step: skipped on CPU (--train_step runs it, with --train_layers/--train_batch/--train_seq)")
+        return
+    if args.train_layers == 0:
+        print("\ntrain step: skipped (--train_layers 0)")
         return
     train_step_table(args.train_layers, args.train_batch, args.train_seq, impl if impl else "pallas", interpret,
                      args.train_group_layers)

@@ -65,7 +65,8 @@ MODEL_FIELDS = (
     Field("remat", "none", str, tuple(REMAT_POLICIES), "per-layer rematerialisation: none, full (save nothing), "
           "dots (save matmuls without batch dimensions; in the routed modes the same as full: under any policy their "
           "store-once pass recomputes each sublayer in the backward)"),
-    Field("attention", "xla", str, ATTENTION_IMPLS, "causal self-attention: xla (every platform), cudnn (cuDNN's "
+    Field("attention", "auto", str, ATTENTION_IMPLS, "causal self-attention: auto (cudnn on NVIDIA GPUs in bfloat16 "
+          "or float16 with a head width of at most 128, else xla), xla (every platform), cudnn (cuDNN's "
           "fused attention, NVIDIA GPUs), splash (the TPU splash-attention Pallas kernel; sequence length a multiple "
           "of 128, and of 512 above it); the same math (deltares.nn.attention)"),
     Field("loss_chunk", 512, int, NON_NEGATIVE, "tokens per chunk of the training and evaluation loss: each "

@@ -111,7 +111,7 @@ class Attention(nn.Module):
     norm_eps: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-    impl: str = "xla"  # deltares.nn.attention.ATTENTION_IMPLS (generation with a cache: always xla)
+    impl: str = "auto"  # deltares.nn.attention.ATTENTION_IMPLS (generation with a cache: always xla)
     interpret: bool = False  # impl "splash" in the Pallas interpreter (CPU tests)
 
     @nn.compact

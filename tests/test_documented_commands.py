@@ -326,6 +326,8 @@ RULES = (
          reason="1 MB of text (the full benchmark prepares 1.1 GB)"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
+    Rule("GPU measurement script", r"^(bash )?launch/gpu_bench\.sh ", "launch", check="launch",
+         reason="--dry-run: prints every stage's command (no GPU; tests/test_launch.py parses their flags)"),
 )
 
 

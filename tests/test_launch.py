@@ -1,4 +1,4 @@
-"""launch/tpu.sh and launch/gpu.sh: the commands they print (--dry-run) and run.
+"""launch/tpu.sh, launch/gpu.sh and launch/gpu_bench.sh: the commands they print (--dry-run) and run.
 
 No cloud and no GPU needed: the real (non-dry) paths run against a fake `gcloud` on
 PATH, or a fake venv `python`, that log their arguments. With `FAKE_HOME` the fake
@@ -13,6 +13,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tarfile
 import time
 
@@ -21,6 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(ROOT, "launch", "tpu.sh")
 GPU = os.path.join(ROOT, "launch", "gpu.sh")
+GPU_BENCH = os.path.join(ROOT, "launch", "gpu_bench.sh")
 BASH = shutil.which("bash")
 SEP = "\x1f"  # the fakes join their arguments with this
 
@@ -474,12 +476,75 @@ def test_gpu_real_run_with_a_fake_venv(tmp_path, no_gpu):
 # ---------------------------------------------------------------- lint
 
 
+# ---------------------------------------------------------------- gpu_bench.sh
+
+# Runs `deltares.bench`'s own command line on one printed command's arguments, with the benchmark
+# replaced by a check of the parsed model config and the modes.
+PARSE_BENCH = """if True:
+    import sys
+    from deltares import bench
+    from deltares.nn.config import MODES, validate_model_config
+
+    def check(argv):
+        validate_model_config(bench._CONFIG.value.model)
+        assert set(bench._MODES.value) <= set(MODES), bench._MODES.value
+        print("parsed", bench._CONFIG.value.model.attention, bench._CONFIG.value.model.residual.impl)
+
+    bench.main = check
+    sys.argv = ["deltares.bench", *sys.argv[1:]]
+    bench.cli()
+"""
+
+
+def test_gpu_bench_dry_run_prints_every_stage_and_its_flags_parse():
+    res = run(GPU_BENCH, ["--dry-run", "--out", "runs/b"])
+    assert res.returncode == 0, res.stderr
+    cmds = commands(res.stdout)
+    assert cmds[:2] == [["cd", ROOT], ["mkdir", "-p", "runs/b"]]
+    stages = [c[-2] for c in cmds[2:]]  # each ends: > runs/b/STAGE.txt 2>&1
+    assert [os.path.basename(s) for s in stages] == [
+        f"{name}.txt" for name in ("tests", "kernel", "s220m", "s220m_kernel", "s220m_cudnn", "s220m_cudnn_kernel",
+                                   "s1044m", "s1044m_grouped", "s1044m_segments")]
+    tests = cmds[2]
+    assert tests[:2] == ["env", "JAX_PLATFORMS=cuda"] and tests[-5:-3] == ["-k", "pallas_gpu or cudnn"]
+    assert cmds[3][:5] == ["python3", "-m", "kernels_pallas.depth_route.bench", "--train_layers", "0"]
+    benches = [c[3:-3] for c in cmds[4:]]  # the arguments of `python3 -m deltares.bench`
+    assert all(c[:3] == ["python3", "-m", "deltares.bench"] for c in cmds[4:])
+    outs = [subprocess.run([sys.executable, "-c", PARSE_BENCH, *argv], capture_output=True, text=True, cwd=ROOT,
+                           timeout=120) for argv in benches]
+    assert [o.returncode for o in outs] == [0] * len(benches), [o.stderr[-2000:] for o in outs]
+    parsed = [o.stdout.split()[-2:] for o in outs]
+    assert parsed[:4] == [["xla", "xla"], ["xla", "pallas_gpu"], ["cudnn", "xla"], ["cudnn", "pallas_gpu"]]
+
+
+def test_gpu_bench_runs_its_stages_and_reports_failures(tmp_path):
+    """The kernel stage runs for real (on the CPU: shapes scaled down); a stage that fails and
+    stages past the budget end the run with one error line naming them."""
+    out = tmp_path / "out"
+    res = run(GPU_BENCH, ["--stages", "kernel", "--out", str(out), "--python", sys.executable])
+    assert res.returncode == 0, res.stderr
+    assert "| xla reference |" in (out / "kernel.txt").read_text() and "== kernel: exit 0" in res.stdout
+    res = run(GPU_BENCH, ["--stages", "kernel,s220m", "--out", str(out), "--python", "false"])
+    check_one_line_error(res, "2 stage(s) did not finish", "kernel (exit 1)", "s220m (exit 1)")
+    res = run(GPU_BENCH, ["--stages", "tests", "--out", str(out), "--budget", "1"])
+    check_one_line_error(res, "tests (skipped)")
+    assert "--budget 1 spent" in res.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--stages", "kernel,nope"], "unknown stage 'nope'"), (["--budget", "10m"], "whole number of seconds"),
+    (["--stages", ""], "--stages is empty"), (["--out"], "--out needs a value"), (["--fast"], "unknown argument"),
+])
+def test_gpu_bench_bad_arguments_are_one_line_errors(args, needle):
+    check_one_line_error(run(GPU_BENCH, args), needle)
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-@pytest.mark.parametrize("script", [TPU, GPU])
+@pytest.mark.parametrize("script", [TPU, GPU, GPU_BENCH])
 def test_shellcheck(script):
     subprocess.run(["shellcheck", script], check=True)
 
 
 def test_scripts_are_executable():
-    for script in (TPU, GPU):
+    for script in (TPU, GPU, GPU_BENCH):
         assert os.stat(script).st_mode & stat.S_IXUSR

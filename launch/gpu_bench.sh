@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/explanations/performance.md ("Measured on one H200") in one run, on
+# one local NVIDIA GPU, in the current Python environment (launch/gpu.sh makes one): the GPU kernel
+# and cuDNN tests compiled for the device, the routing kernel against XLA and the memory floor, and
+# train steps of s220m and s1044m per attention and routing option. Each stage writes OUT/STAGE.txt
+# and prints its tail; with --budget, a stage gets at most the seconds left (then is skipped).
+#
+#   launch/gpu_bench.sh --out runs/gpu_bench --budget 600
+#   launch/gpu_bench.sh --stages tests,kernel --dry-run
+set -euo pipefail
+
+src=${BASH_SOURCE[0]}
+[[ $src == */* ]] || src=./$src
+ROOT=$(cd "${src%/*}/.." && pwd)
+PYTHON=${DELTARES_PYTHON:-python3}
+OUT=runs/gpu_bench BUDGET=0 DRY=0
+ALL_STAGES=(tests kernel s220m s220m_kernel s220m_cudnn s220m_cudnn_kernel s1044m s1044m_grouped s1044m_segments)
+STAGES=$(IFS=,; echo "${ALL_STAGES[*]}")
+
+usage() {
+  cat <<EOF
+Usage: launch/gpu_bench.sh [options]
+  --out DIR          where each stage's output goes, relative to the repository root (default runs/gpu_bench)
+  --budget SECONDS   stop starting stages when this many seconds have passed; 0: no limit (default)
+  --python PY        the Python whose environment has deltares' requirements and a CUDA jax
+                     (env DELTARES_PYTHON; default python3)
+  --stages A,B,...   of: ${ALL_STAGES[*]}
+                     (default: all, in this order)
+  --dry-run          print every command instead of running it
+EOF
+}
+PROG=gpu_bench.sh
+# shellcheck source=launch/common.sh
+source "$ROOT/launch/common.sh"
+
+while (($#)); do
+  opt=$1
+  if [[ $opt == --*=* ]]; then set -- "${opt%%=*}" "${opt#*=}" "${@:2}"; opt=$1; fi
+  case $opt in
+    --out | --budget | --python | --stages)
+      (($# >= 2)) || die "$opt needs a value"
+      var=${opt#--}
+      printf -v "${var^^}" '%s' "$2"
+      shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    *) die "unknown argument '$opt' (see --help)" ;;
+  esac
+done
+[[ $BUDGET =~ ^[0-9]+$ ]] || die "--budget must be a whole number of seconds, not '$BUDGET'"
+IFS=, read -r -a chosen <<<"$STAGES"
+((${#chosen[@]})) || die "--stages is empty"
+for s in "${chosen[@]}"; do
+  [[ " ${ALL_STAGES[*]} " == *" $s "* ]] || die "unknown stage '$s' (choose from: ${ALL_STAGES[*]})"
+done
+
+# The train step at the TPU estimates' per-chip load: 8 sequences of 2048 tokens.
+STEP=(--batch 8 --seq_len 2048)
+S220M=("$PYTHON" -m deltares.bench --config experiments/s220m.py --modes baseline,delta_block,delta "${STEP[@]}"
+  --rounds 3 --steps 3)
+S1044M=("$PYTHON" -m deltares.bench --config experiments/s1044m.py "${STEP[@]}" --rounds 2 --steps 2)
+stage_command() {
+  case $1 in
+    tests) CMD=(env JAX_PLATFORMS=cuda "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_depth_route_kernel.py
+                tests/test_prefix_kernel.py tests/test_attention.py -k "pallas_gpu or cudnn") ;;
+    kernel) CMD=("$PYTHON" -m kernels_pallas.depth_route.bench --train_layers 0) ;;
+    s220m) CMD=("${S220M[@]}" --config.model.attention=xla) ;;
+    s220m_kernel) CMD=("${S220M[@]}" --config.model.attention=xla --config.model.residual.impl=pallas_gpu) ;;
+    s220m_cudnn) CMD=("${S220M[@]}" --config.model.attention=cudnn) ;;
+    s220m_cudnn_kernel) CMD=("${S220M[@]}" --config.model.attention=cudnn --config.model.residual.impl=pallas_gpu) ;;
+    s1044m) CMD=("${S1044M[@]}" --modes baseline,delta_block,delta) ;;
+    s1044m_grouped) CMD=("${S1044M[@]}" --modes baseline,delta_block,delta --config.model.residual.group_layers=4) ;;
+    s1044m_segments) CMD=("${S1044M[@]}" --modes baseline,delta --config.model.residual.scan_segments=12) ;;
+  esac
+}
+
+run cd "$ROOT"
+run mkdir -p "$OUT"
+failed=()
+for s in "${chosen[@]}"; do
+  stage_command "$s"
+  if ((DRY)); then
+    echo "+ $(quote "${CMD[@]}") > $(quote "$OUT/$s.txt") 2>&1"
+    continue
+  fi
+  limit=0
+  if ((BUDGET)); then
+    limit=$((BUDGET - SECONDS))
+    if ((limit < 30)); then
+      echo "== $s: skipped (--budget $BUDGET spent)"
+      failed+=("$s (skipped)")
+      continue
+    fi
+  fi
+  echo "== $s (at ${SECONDS}s): $(quote "${CMD[@]}")"
+  rc=0
+  if ((limit)); then
+    timeout "$limit" "${CMD[@]}" >"$OUT/$s.txt" 2>&1 || rc=$?
+  else
+    "${CMD[@]}" >"$OUT/$s.txt" 2>&1 || rc=$?
+  fi
+  grep -v '^[WI][0-9]' "$OUT/$s.txt" | tail -n 30 || true # the tables, without XLA's log lines
+  echo "== $s: exit $rc (at ${SECONDS}s), output in $OUT/$s.txt"
+  ((rc == 0)) || failed+=("$s (exit $rc)")
+done
+if ((${#failed[@]})); then
+  echo "$PROG: error: ${#failed[@]} stage(s) did not finish: ${failed[*]}" >&2
+  exit 1
+fi

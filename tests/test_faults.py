@@ -24,7 +24,7 @@ from deltares.data.dataset import TokenData
 from deltares.data.documents import DataError
 from deltares.eval import evaluate_checkpoint
 from deltares.train import TrainError, train
-from deltares.training.checkpoint import CheckpointError, load_checkpoint
+from deltares.training.checkpoint import CheckpointError, _cause, load_checkpoint
 from jax_cache import ENV, ROOT
 
 
@@ -130,6 +130,17 @@ def test_resume_step_picks_a_step_and_sets_the_newer_ones_aside(finished, builti
 
 
 # ----------------------------------------------------------------------------- writes that fail
+
+
+@pytest.mark.parametrize("message", [
+    "INTERNAL: Error writing local file \"/r/d/0\": File too large [os_error_code='27'] [source_locations='a.cc:1']",
+    "INTERNAL: Error writing [tensorstore_spec='{\"create\":true}'] [os_error_code='27'] [source_locations='a.cc:1']",
+])
+def test_storage_failure_is_the_operating_systems_words(message):
+    """tensorstore's payloads come in either order (the second, under load in CI, once gave "(true}']
+    (errno 27))"): the cause is the errno's own words."""
+    assert _cause(RuntimeError(message)) == "File too large (errno 27)"
+    assert _cause(OSError("disk quota")) == "OSError: disk quota"
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the subprocess's resource limit is set after fork

@@ -55,8 +55,10 @@ def _warn(message: str) -> None:
 def _cause(err: BaseException | str) -> str:
     """One short line for a storage failure: the operating system's words where tensorstore gives them."""
     text = str(err).strip()
-    if match := re.search(r"([^:\"]+?) \[os_error_code='(\d+)'\]", text):
-        return f"{match.group(1).strip()} (errno {match.group(2)})"
+    # tensorstore appends payloads ([os_error_code='27'] [tensorstore_spec='...'] ...) in varying order
+    if match := re.search(r"\[os_error_code='?(\d+)'?\]", text):
+        code = int(match.group(1))
+        return f"{os.strerror(code)} (errno {code})"
     first = text.splitlines()[0][:300] if text else ""
     return first if isinstance(err, str) else f"{type(err).__name__}: {first}"
 

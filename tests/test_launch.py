@@ -7,6 +7,7 @@ detached start, the log and pid files and `--stop` run for real there, with a fa
 trainer that saves and exits on SIGTERM.
 """
 
+import concurrent.futures
 import os
 import shlex
 import shutil
@@ -510,20 +511,30 @@ def test_gpu_bench_dry_run_prints_every_stage_and_its_flags_parse():
     assert cmds[3][:5] == ["python3", "-m", "kernels_pallas.depth_route.bench", "--train_layers", "0"]
     benches = [c[3:-3] for c in cmds[4:]]  # the arguments of `python3 -m deltares.bench`
     assert all(c[:3] == ["python3", "-m", "deltares.bench"] for c in cmds[4:])
-    outs = [subprocess.run([sys.executable, "-c", PARSE_BENCH, *argv], capture_output=True, text=True, cwd=ROOT,
-                           timeout=120) for argv in benches]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda argv: subprocess.run([sys.executable, "-c", PARSE_BENCH, *argv], cwd=ROOT,
+                                                         capture_output=True, text=True, timeout=120), benches))
     assert [o.returncode for o in outs] == [0] * len(benches), [o.stderr[-2000:] for o in outs]
     parsed = [o.stdout.split()[-2:] for o in outs]
     assert parsed[:4] == [["xla", "xla"], ["xla", "pallas_gpu"], ["cudnn", "xla"], ["cudnn", "pallas_gpu"]]
 
 
 def test_gpu_bench_runs_its_stages_and_reports_failures(tmp_path):
-    """The kernel stage runs for real (on the CPU: shapes scaled down); a stage that fails and
-    stages past the budget end the run with one error line naming them."""
-    out = tmp_path / "out"
-    res = run(GPU_BENCH, ["--stages", "kernel", "--out", str(out), "--python", sys.executable])
+    """Each stage runs its command (here a fake Python that logs its arguments and prints a table
+    row: the real commands run in tests/test_documented_commands.py), its output kept in OUT; a
+    stage that fails and stages past the budget end the run with one error line naming them."""
+    out, log = tmp_path / "out", tmp_path / "argv.log"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\necho "| baseline | 1.0 |"\n')
+    fake.chmod(0o755)
+    res = run(GPU_BENCH, ["--stages", "kernel,s1044m_segments", "--out", str(out), "--python", str(fake)])
     assert res.returncode == 0, res.stderr
-    assert "| xla reference |" in (out / "kernel.txt").read_text() and "== kernel: exit 0" in res.stdout
+    assert log.read_text().splitlines() == [
+        "-m kernels_pallas.depth_route.bench --train_layers 0",
+        "-m deltares.bench --config experiments/s1044m.py --batch 8 --seq_len 2048 --rounds 2 --steps 2 "
+        "--modes baseline,delta --config.model.residual.scan_segments=12"]
+    assert (out / "kernel.txt").read_text() == "| baseline | 1.0 |\n"
+    assert res.stdout.count("| baseline | 1.0 |") == 2 and "== s1044m_segments: exit 0" in res.stdout
     res = run(GPU_BENCH, ["--stages", "kernel,s220m", "--out", str(out), "--python", "false"])
     check_one_line_error(res, "2 stage(s) did not finish", "kernel (exit 1)", "s220m (exit 1)")
     res = run(GPU_BENCH, ["--stages", "tests", "--out", str(out), "--budget", "1"])

@@ -3,6 +3,10 @@ with each sublayer's intra-group sources equals routing over the union, against 
 reference and the reference `depth_route` (forward and gradients); and the grouped store-once
 depth pass gives the ungrouped one's loss and gradients in every routed mode."""
 
+import os
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +21,7 @@ from deltares.nn.model import Transformer
 from deltares.nn.residual import make_plan
 
 EPS = 1e-6
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def np_route(sources, valid, query, gain, residual=None, null=None, gate=None):
@@ -114,6 +119,86 @@ def test_prefix_gives_each_query_its_own_routing():
             np.testing.assert_allclose(np.asarray(out[k]), np_route(prefix, vp[k], queries[k], gains[k]),
                                        rtol=1e-12, atol=1e-12)
         assert np.all(np.isfinite(np.asarray(lse)))
+
+
+def _prefix_loss_float64(sources, inv, valid_KS, queries, gains, cot_out, cot_lse):
+    """A plain float64 phase one (no custom VJP), for autodiff: the independent reference."""
+    qg = queries * gains
+    logits = jnp.where(valid_KS[:, :, None, None], jnp.einsum("sbtd,kd->ksbt", sources, qg) * inv[None], -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=1)
+    out = jnp.einsum("ksbt,sbtd->kbtd", jnp.exp(logits - lse[:, None]), sources)
+    return jnp.vdot(cot_out, out) + jnp.vdot(cot_lse, lse)
+
+
+def test_prefix_of_a_bf16_buffer_keeps_float32_accuracy():
+    """A bf16 buffer is read in bf16 with float32 accumulation (no float32 copy of it): out, lse and
+    the gradients of sources, 1/rms, queries and gains equal float64 autodiff on the same bf16 values
+    to 1e-4 (the sources' cotangent to bf16's accuracy, its own dtype). The float32 operands enter
+    as a high and a low bf16 part: with the high part alone they would be off by about 1e-3."""
+    prefix, _, queries, gains, vp, *_ = _case(4, S_prefix=6, K=3, B=2, T=5, D=64)
+    src16 = jnp.asarray(prefix, jnp.bfloat16)
+    inv = routing.inv_rms(src16.astype(jnp.float32))
+    rng = np.random.default_rng(5)
+    cot_out, cot_lse = rng.normal(size=(3, 2, 5, 64)), rng.normal(size=(3, 2, 5))
+    q32, g32 = jnp.asarray(queries, jnp.float32), jnp.asarray(gains, jnp.float32)
+
+    def loss(src, inv, q, g):
+        out, lse = routing.route_prefix(src, inv, vp, q, g)
+        assert out.dtype == lse.dtype == jnp.float32
+        return jnp.vdot(jnp.asarray(cot_out, jnp.float32), out) + jnp.vdot(jnp.asarray(cot_lse, jnp.float32), lse)
+
+    out, lse = routing.route_prefix(src16, inv, vp, q32, g32)
+    got = jax.grad(loss, argnums=range(4))(src16, inv, q32, g32)
+    assert got[0].dtype == jnp.bfloat16
+    with jax.enable_x64(True):
+        args = [np.asarray(a, np.float64) for a in (src16.astype(jnp.float32), inv, q32, g32)]
+        for k in range(3):
+            keys = args[0] * args[1][..., None]
+            logits = np.where(vp[k][:, None, None], np.einsum("sbtd,d->sbt", keys, args[2][k] * args[3][k]), -np.inf)
+            w = np.exp(logits - logits.max(axis=0))
+            np.testing.assert_allclose(np.asarray(out[k]), np.einsum("sbt,sbtd->btd", w / w.sum(axis=0), args[0]),
+                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(lse[k]), logits.max(axis=0) + np.log(w.sum(axis=0)), rtol=1e-4, atol=1e-4)
+        want = jax.grad(lambda s, i, q, g: _prefix_loss_float64(s, i, jnp.asarray(vp), q, g, cot_out, cot_lse),
+                        argnums=range(4))(*args)
+    for name, g, w, tol in zip(("sources", "1/rms", "queries", "gains"), got, want, (1e-2, 1e-4, 1e-4, 1e-4)):
+        g, w = np.asarray(g, np.float64), np.asarray(w)
+        assert np.abs(w).max() > 0, name
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max(), err_msg=name)
+
+
+NO_F32_COPY = r"""
+import math, re
+import jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from deltares.nn import routing
+from deltares.training.compile_only import topology_devices
+
+device = SingleDeviceSharding(topology_devices("v5p:1x1x1")[0])
+S, B, T, D, K = 17, 2, 256, 256, 4
+valid = jnp.tril(jnp.ones((K, S), bool), k=S - K)
+
+def loss(src, inv, q, g):
+    out, lse = routing.route_prefix(src, inv, valid, q, g)
+    return jnp.sum(out * out) + jnp.sum(lse)
+
+sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(
+    sds((S, B, T, D), jnp.bfloat16), sds((S, B, T), jnp.float32), sds((K, D), jnp.float32),
+    sds((K, D), jnp.float32)).compile().as_text()
+print(max(math.prod(map(int, m.group(1).split(","))) for m in re.finditer(r"f32\[([\d,]+)\]", text)) / (S * B * T * D))
+"""
+
+
+@pytest.mark.skipif(not __import__("importlib.util").util.find_spec("libtpu"), reason="libtpu is not installed")
+def test_prefix_backward_holds_no_float32_copy_of_a_bf16_buffer():
+    """Compiled for a TPU, phase one's forward and backward on a bf16 buffer of 17 slots with 4 queries
+    hold no float32 array near the buffer's size: the largest is the queries' rows (2K of [B, T, D])."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", NO_F32_COPY], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert float(proc.stdout.split()[-1]) <= 8 / 17
 
 
 # ----------------------------------------------------------------------------- the grouped depth pass

@@ -16,6 +16,8 @@ its lse, which merges it exactly with the remaining sources (softmax over a unio
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -41,22 +43,105 @@ def inv_rms(x_BTD: Array, eps: float = NORM_EPS, model_axis=None) -> Array:
     return jax.lax.rsqrt(sum_sq / count + eps)
 
 
+def _parts(x, dtype):
+    """`x` (float32) as a stack of arrays of `dtype` whose sum is x: [x] where `dtype` holds it, else a
+    high and a low part (about twice `dtype`'s precision). A product with a `dtype` operand then
+    accumulates in float32 without converting that operand: no float32 copy of a source buffer."""
+    if jnp.dtype(dtype) == x.dtype:
+        return x[None]
+    hi = x.astype(dtype)
+    return jnp.stack([hi, (x - hi.astype(x.dtype)).astype(dtype)])
+
+
+def _mixed(spec: str, small, big):
+    """einsum(spec, small, big) with `small` in float32 (or wider) and `big` a source buffer of any
+    float dtype: float32 accumulation, `big` read once and never converted (`_parts`)."""
+    acc = small.dtype
+    parts = _parts(small, big.dtype)
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    return jnp.einsum(f"z{lhs},{rhs}->z{out}", parts, big, preferred_element_type=acc).sum(axis=0)
+
+
+def _psum(x, model_axis):
+    return x if model_axis is None else jax.lax.psum(x, model_axis)
+
+
 def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, model_axis=None):
     """Phase one of two-phase routing: K queries over one buffer, read once. Returns (out_KBTD,
     lse_KBT), both in `accumulation_dtype` (the merge rounds once, at its output): each query's
     softmax-weighted sum over its valid sources `valid_KS` (at least one each) and the log-sum-exp
-    of its logits. `model_axis` as in `route_normalized`."""
+    of its logits. `model_axis` as in `route_normalized`.
+
+    Its products with the buffer, forward and backward, read the buffer in its own dtype with
+    float32 accumulation (`_mixed`): a bf16 buffer is never copied to float32, a copy as large as
+    the buffer twice over that the K-query products would otherwise hold."""
     acc = accumulation_dtype(sources_SBTD.dtype)
     qg_KD = query_KD.astype(acc) * gain_KD.astype(acc)
-    sources32 = sources_SBTD.astype(acc)
-    logits_KSBT = jnp.einsum("sbtd,kd->ksbt", sources32, qg_KD)
-    if model_axis is not None:
-        logits_KSBT = jax.lax.psum(logits_KSBT, model_axis)
-    logits_KSBT = jnp.where(jnp.asarray(valid_KS, bool)[:, :, None, None], logits_KSBT * inv_rms_SBT[None], -jnp.inf)
+    return _route_prefix(sources_SBTD, inv_rms_SBT, jnp.asarray(valid_KS, bool), qg_KD, model_axis)
+
+
+def _prefix_weights(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis):
+    """Phase one's raw logits qg . s [K, S, B, T], softmax weights and log-sum-exp."""
+    raw_KSBT = _psum(_mixed("kd,sbtd->ksbt", qg_KD, sources_SBTD), model_axis)
+    logits_KSBT = jnp.where(valid_KS[:, :, None, None], raw_KSBT * inv_rms_SBT[None], -jnp.inf)
     lse_KBT = jax.nn.logsumexp(logits_KSBT, axis=1)
-    weights_KSBT = jnp.exp(logits_KSBT - lse_KBT[:, None])
-    out_KBTD = jnp.einsum("ksbt,sbtd->kbtd", weights_KSBT, sources32)
-    return out_KBTD, lse_KBT
+    return raw_KSBT, jnp.exp(logits_KSBT - lse_KBT[:, None]), lse_KBT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis):
+    _, weights_KSBT, lse_KBT = _prefix_weights(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis)
+    return _mixed("ksbt,sbtd->kbtd", weights_KSBT, sources_SBTD), lse_KBT
+
+
+def _route_prefix_fwd(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis):
+    raw_KSBT, weights_KSBT, lse_KBT = _prefix_weights(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis)
+    out_KBTD = _mixed("ksbt,sbtd->kbtd", weights_KSBT, sources_SBTD)
+    return (out_KBTD, lse_KBT), (sources_SBTD, inv_rms_SBT, qg_KD, raw_KSBT, weights_KSBT)
+
+
+def _route_prefix_bwd(model_axis, residuals, cotangents):
+    """out_k = sum_s a_ks s_s, a_k = softmax_s(z_k), z_ks = (qg_k . s_s) r_s, lse_k = logsumexp_s z_ks:
+    with d a_ks = d out_k . s_s, d z_ks = a_ks (d a_ks - sum_s' a_ks' d a_ks' + d lse_k) (exactly 0 for a
+    query of one source, as softmax's own VJP gives: Adam would amplify rounding noise there);
+    d s_s = sum_k a_ks d out_k + r_s d z_ks qg_k (one product over k, written in the buffer's dtype),
+    d r_s = sum_k d z_ks (qg_k . s_s)."""
+    sources_SBTD, inv_rms_SBT, qg_KD, raw_KSBT, weights_KSBT = residuals
+    d_out_KBTD, d_lse_KBT = cotangents
+    acc = qg_KD.dtype
+    d_out_KBTD = d_out_KBTD.astype(acc)
+    d_w_KSBT = _psum(_mixed("kbtd,sbtd->ksbt", d_out_KBTD, sources_SBTD), model_axis)
+    d_mean_KBT = jnp.sum(weights_KSBT * d_w_KSBT, axis=1)
+    d_z_KSBT = weights_KSBT * (d_w_KSBT - d_mean_KBT[:, None] + d_lse_KBT.astype(acc)[:, None])
+    d_zr_KSBT = d_z_KSBT * inv_rms_SBT[None]
+    K = qg_KD.shape[0]
+    rows_KBTD = jnp.concatenate([d_out_KBTD, jnp.broadcast_to(qg_KD[:, None, None], (K,) + d_out_KBTD.shape[1:])])
+    d_sources_SBTD = jnp.einsum("ksbt,kbtd->sbtd", jnp.concatenate([weights_KSBT, d_zr_KSBT]), rows_KBTD,
+                                preferred_element_type=acc).astype(sources_SBTD.dtype)
+    d_inv_SBT = jnp.sum(d_z_KSBT * raw_KSBT, axis=0).astype(inv_rms_SBT.dtype)
+    d_qg_KD = _mixed("ksbt,sbtd->kd", d_zr_KSBT, sources_SBTD)
+    return (_summed_like(d_sources_SBTD, sources_SBTD), _summed_like(d_inv_SBT, inv_rms_SBT), None,
+            _summed_like(d_qg_KD, qg_KD))
+
+
+def _summed_like(cotangent, primal):
+    """Inside `jax.shard_map`: the cotangent summed over the mesh axes it varies along and its primal
+    does not (the queries' over the token axes), as autodiff would transpose the primal's broadcast."""
+    extra = _varying(cotangent) - _varying(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes along which `x` varies inside `jax.shard_map` (empty outside, or unchecked)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # older jax
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+_route_prefix.defvjp(_route_prefix_fwd, _route_prefix_bwd)
 
 
 def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual_BTD=None, null_D=None,

@@ -16,11 +16,12 @@ Paper (validation PPL, 10K steps on FineWeb-Edu, seq 2048): baseline 32.22,
 block AttnRes 32.38, Delta Block 31.45.
 """
 
-from deltares.training.experiment import PAPER_RECIPE, experiment
+from deltares.training.experiment import PAPER_RECIPE, PER_SUBLAYER_GROUP_LAYERS, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=3072,
              remat="dots", loss_chunk=0)  # measured defaults (docstring)
 
 
 def get_config(arg="delta_block"):
-    return experiment("qwen3_0p6b", MODEL, arg, block_layers=4, recipe=PAPER_RECIPE)
+    return experiment("qwen3_0p6b", MODEL, arg, block_layers=4, recipe=PAPER_RECIPE,
+                      group_layers=PER_SUBLAYER_GROUP_LAYERS)

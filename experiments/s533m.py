@@ -21,7 +21,7 @@ Block-size ablation (the paper's Table 2):
         --workdir runs/s533m_delta_block_B$B --config.data.dataset=DATA; done
 """
 
-from deltares.training.experiment import PAPER_RECIPE, experiment
+from deltares.training.experiment import PAPER_RECIPE, PER_SUBLAYER_GROUP_LAYERS, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, head_dim=64, d_ff=4096,
              remat="dots", loss_chunk=0)  # measured defaults (docstring)
@@ -30,4 +30,4 @@ ABLATION_BLOCK_LAYERS = (2, 6, 12, 24)
 
 
 def get_config(arg="delta_block"):
-    return experiment("s533m", MODEL, arg, block_layers=6, recipe=PAPER_RECIPE)
+    return experiment("s533m", MODEL, arg, block_layers=6, recipe=PAPER_RECIPE, group_layers=PER_SUBLAYER_GROUP_LAYERS)

@@ -100,6 +100,26 @@ def test_default_variant_and_documented_block_size(scale):
     assert 1 <= cfg.model.residual.block_layers <= cfg.model.n_layers
 
 
+GROUPED_SCALES = ("s533m", "s1044m", "qwen3_0p6b")  # the remat scales measured grouped (experiment.py)
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_per_sublayer_modes_route_two_phase_at_the_remat_scales(scale):
+    """`delta` and `full_attnres` default to two-phase groups of 4 layers at s533m, s1044m and
+    qwen3_0p6b, and train two-phase there; the block modes, baseline and the other scales do not;
+    the command line can still turn it off."""
+    from deltares.nn.residual import two_phase
+
+    for mode in MODES:
+        model = load(scale).get_config(mode).model
+        grouped = scale in GROUPED_SCALES and mode in ("delta", "full_attnres")
+        assert model.residual.group_layers == (4 if grouped else 0), (scale, mode)
+        assert two_phase(model) == grouped, (scale, mode)
+    if scale in GROUPED_SCALES:
+        cfg = parse_flags(f"--config={ROOT}/experiments/{scale}.py:delta", "--config.model.residual.group_layers=0")
+        assert cfg.model.residual.group_layers == 0
+
+
 def test_variant_sets_block_layers():
     assert parse_variant("delta_block,block_layers=4") == {"mode": "delta_block", "block_layers": 4}
     for scale in ("s220m", "tiny", "s7b6"):

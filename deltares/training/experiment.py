@@ -11,7 +11,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from deltares.nn.config import (
-    MODEL_FIELDS, MODES, NON_NEGATIVE, POSITIVE, Field, build_config, check_fields, describe, model_config,
+    BLOCK_MODES, MODEL_FIELDS, MODES, NON_NEGATIVE, POSITIVE, Field, build_config, check_fields, describe, model_config,
     validate_model_config, with_defaults,
 )
 from deltares.training.optim import DECAY_MASKS
@@ -163,13 +163,27 @@ def _set(section: ml_collections.ConfigDict, key: str, value) -> None:
         section.update({key: value})
 
 
+# Two-phase groups for the per-sublayer modes (one slot per sublayer) at the scales that train with
+# remat: measured on an H200 (docs/explanations/performance.md), `delta` in groups of 4 layers takes
+# 248 ms per step against 603 at s533m and 512 against 1398 at s1044m, `full_attnres` 527 against
+# 919 at s1044m; the TPU estimate agrees at s1044m (932 against 1409 ms). The block modes stay
+# ungrouped: grouping their few slots was 5% slower on the H200 at s533m and s1044m (TPU estimate: 6%).
+PER_SUBLAYER_GROUP_LAYERS = 4
+
+
 def experiment(
-    scale: str, model: dict, arg: str | None, *, block_layers: int, recipe: dict | None = None
+    scale: str, model: dict, arg: str | None, *, block_layers: int, recipe: dict | None = None,
+    group_layers: int = 0,
 ) -> ml_collections.ConfigDict:
     """The experiment config of one scale: `config.model` from `model` and the variant in `arg`,
-    training fields from `base_config` updated by `recipe` ({'data': {...}, 'train': {...}, ...})."""
+    training fields from `base_config` updated by `recipe` ({'data': {...}, 'train': {...}, ...}).
+    `group_layers`: the default `residual.group_layers` of the per-sublayer modes (`delta`,
+    `full_attnres`); the block modes and baseline keep 0."""
     variant = parse_variant(arg)
-    residual = {"block_layers": block_layers, **variant}  # fields the variant leaves out: the schema's defaults
+    residual = {"block_layers": block_layers}  # fields the variant leaves out: the schema's defaults
+    if variant["mode"] not in BLOCK_MODES + ("baseline",):
+        residual["group_layers"] = group_layers
+    residual.update(variant)
     cfg = base_config()
     cfg.scale = scale
     for section, fields in (recipe or {}).items():

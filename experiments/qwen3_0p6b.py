@@ -2,13 +2,14 @@
 
 Delta Block defaults to 4 layers per block (7 blocks).
 
-Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the paper's
-32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot --estimate`,
-2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 431.8 ms per step at
-37.51 GiB per chip against 467.3 ms at 18.26 GiB with remat `full`; nothing fits without remat.
-The routed modes run the store-once pass under either policy (it recomputes each layer in the
-backward pass), so `dots` and `full` are the same program there. On other hardware
-`deltares.aot --search` names the flags to add.
+Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the
+paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
+--estimate`, 2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 431.8 ms per
+step at 37.51 GiB per chip against 467.3 ms at 18.26 GiB with remat `full`; nothing fits without
+remat. The routed modes run the store-once pass under either policy (it recomputes each layer in the
+backward pass), so `dots` and `full` are the same program there. `delta` and `full_attnres` route
+two-phase in groups of 4 layers (`residual.group_layers=4`), as at s533m and s1044m, where it was
+measured (not at this scale). On other hardware `deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/qwen3_0p6b.py:delta_block --workdir runs/qwen3_0p6b_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)

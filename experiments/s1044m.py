@@ -2,13 +2,15 @@
 
 Delta Block defaults to 6 layers per block (6 blocks).
 
-Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the paper's
-32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot --estimate`,
-2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 628.5 ms per step at
-48.38 GiB per chip against 684.1 ms at 20.89 GiB with remat `full`; nothing fits without remat.
-The routed modes run the store-once pass under either policy (it recomputes each layer in the
-backward pass), so `dots` and `full` are the same program there. On other hardware
-`deltares.aot --search` names the flags to add.
+Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the
+paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
+--estimate`, 2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 628.5 ms per
+step at 48.38 GiB per chip against 684.1 ms at 20.89 GiB with remat `full`; nothing fits without
+remat. The routed modes run the store-once pass under either policy (it recomputes each layer in the
+backward pass), so `dots` and `full` are the same program there. `delta` and `full_attnres` route
+two-phase in groups of 4 layers (`residual.group_layers=4`): on one H200, `delta` 512.3 ms per step
+against 1397.6 ungrouped (TPU estimate: 932.3 against 1408.9). On other hardware `deltares.aot
+--search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/s1044m.py:delta_block --workdir runs/s1044m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)

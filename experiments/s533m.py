@@ -2,13 +2,14 @@
 
 Delta Block defaults to 6 layers per block (4 blocks).
 
-Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the paper's
-32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot --estimate`,
-2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 345.9 ms per step at
-34.29 GiB per chip against 369.6 ms at 17.80 GiB with remat `full`; nothing fits without remat.
-The routed modes run the store-once pass under either policy (it recomputes each layer in the
-backward pass), so `dots` and `full` are the same program there. On other hardware
-`deltares.aot --search` names the flags to add.
+Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the
+paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
+--estimate`, 2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 345.9 ms per
+step at 34.29 GiB per chip against 369.6 ms at 17.80 GiB with remat `full`; nothing fits without
+remat. The routed modes run the store-once pass under either policy (it recomputes each layer in the
+backward pass), so `dots` and `full` are the same program there. `delta` and `full_attnres` route
+two-phase in groups of 4 layers (`residual.group_layers=4`): on one H200, `delta` 247.9 ms per step
+against 603.1 ungrouped. On other hardware `deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/s533m.py:delta_block --workdir runs/s533m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)

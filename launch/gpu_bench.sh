@@ -70,7 +70,8 @@ stage_command() {
     s220m_cudnn_kernel) CMD=("${S220M[@]}" --config.model.attention=cudnn --config.model.residual.impl=pallas_gpu) ;;
     s1044m) CMD=("${S1044M[@]}" --modes baseline,delta_block,delta) ;;
     s1044m_grouped) CMD=("${S1044M[@]}" --modes baseline,delta_block,delta --config.model.residual.group_layers=4) ;;
-    s1044m_segments) CMD=("${S1044M[@]}" --modes baseline,delta --config.model.residual.scan_segments=12) ;;
+    s1044m_segments) CMD=("${S1044M[@]}" --modes baseline,delta --config.model.residual.group_layers=0
+                           --config.model.residual.scan_segments=12) ;;
   esac
 }
 

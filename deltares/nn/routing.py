@@ -91,8 +91,7 @@ def _prefix_weights(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis):
-    _, weights_KSBT, lse_KBT = _prefix_weights(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis)
-    return _mixed("ksbt,sbtd->kbtd", weights_KSBT, sources_SBTD), lse_KBT
+    return _route_prefix_fwd(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis)[0]
 
 
 def _route_prefix_fwd(sources_SBTD, inv_rms_SBT, valid_KS, qg_KD, model_axis):
@@ -135,7 +134,7 @@ def _summed_like(cotangent, primal):
 def _varying(x) -> frozenset:
     """The mesh axes along which `x` varies inside `jax.shard_map` (empty outside, or unchecked)."""
     aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # older jax
+    vma = getattr(aval, "vma", None)  # where jax names it so; jax 0.10 to 0.12: manual_axis_type.varying
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
     return frozenset(vma)
@@ -166,21 +165,18 @@ def route_normalized(sources_SBTD, inv_rms_SBT, valid, query_D, gain_D, residual
     B, T, _ = sources_SBTD[0].shape
     dtype = sources_SBTD[0].dtype
 
-    def sum_over_d(partial):
-        return partial if model_axis is None else jax.lax.psum(partial, model_axis)
-
     acc = accumulation_dtype(dtype)
     qg_D = query_D.astype(acc) * gain_D.astype(acc)
     if listed:
-        logits_SBT = jnp.stack([sum_over_d(jnp.einsum("btd,d->bt", s_BTD.astype(acc), qg_D)) * inv_BT
+        logits_SBT = jnp.stack([_psum(jnp.einsum("btd,d->bt", s_BTD.astype(acc), qg_D), model_axis) * inv_BT
                                 for s_BTD, inv_BT in zip(sources_SBTD, inv_rms_SBT)])
     else:
-        logits_SBT = sum_over_d(jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(acc), qg_D)) * inv_rms_SBT
+        logits_SBT = _psum(jnp.einsum("sbtd,d->sbt", sources_SBTD.astype(acc), qg_D), model_axis) * inv_rms_SBT
     valid_SBT = jnp.broadcast_to(jnp.asarray(valid, bool).reshape(_mask_shape(valid, S)), (S, B, T))
     logits_SBT = jnp.where(valid_SBT, logits_SBT, -jnp.inf)
     if null_D is not None:
         null_D = null_D.astype(acc)
-        null_logit = sum_over_d(jnp.dot(null_D, qg_D)) * inv_rms(null_D, eps, model_axis)
+        null_logit = _psum(jnp.dot(null_D, qg_D), model_axis) * inv_rms(null_D, eps, model_axis)
         logits_SBT = jnp.concatenate([logits_SBT, jnp.broadcast_to(null_logit, (1, B, T))], axis=0)
     if prefix is not None:
         logits_SBT = jnp.concatenate([logits_SBT, prefix[1][None].astype(acc)], axis=0)

@@ -19,6 +19,27 @@ if ROOT not in sys.path:
 
 TINY_HF = os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny")  # a tiny Qwen3 written by transformers
 
+# Test files by how long they take on 2 cores (minutes for the first few), longest first; the rest follow in
+# name order. With `-n 2` each file runs whole on one worker (`pytest_xdist_make_scheduler`), in this order:
+# a file's module fixtures (a subprocess of minutes in several) run once, and no long file starts last.
+LONGEST_FIRST = ("test_documented_commands.py", "test_sharding.py", "test_model.py", "test_train.py",
+                 "test_multihost.py", "test_faults.py", "test_harness.py", "test_aot.py", "test_step_time.py",
+                 "test_depth.py", "test_two_phase.py", "test_axis_names.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: name order otherwise
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist hands out whole files, in collection order (not reordered by their number of tests)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
+
 
 @pytest.fixture(scope="module")
 def converted_run_dir(tmp_path_factory):

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from deltares.nn.axes import alias_rules, check_axis_names
+from tests.jax_cache import ENV
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("delta", "delta_block", "full_attnres")
@@ -19,7 +20,7 @@ MODES = ("delta", "delta_block", "full_attnres")
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(ENV)  # CPU, and the persistent compilation cache: a program the worker compiles twice compiles once
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     proc = subprocess.run([sys.executable, os.path.join(HERE, "axis_names_worker.py")], env=env, capture_output=True,
                           text=True, timeout=600)

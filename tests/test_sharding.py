@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from deltares.nn.config import MODES
+from tests.jax_cache import ENV
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(ENV)  # CPU, and the persistent compilation cache: a program the worker compiles twice compiles once
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "sharded_worker.py")], env=env, capture_output=True, text=True, timeout=900

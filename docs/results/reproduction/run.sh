@@ -10,12 +10,15 @@
 #                         session: SEEDS=0, then SEEDS=1; seed 1 took 90 min, seed 0 117 beside long)
 #   long         ~60 min  baseline and delta_block to 2,000 steps, seed 0 (91 min beside depth)
 #   report        ~3 min  tables (results.md, groups.json, depth.md, long.md), depth figure, routing statistics
-# Knobs (for a quick check): STEPS (400), LONG_STEPS (2000), SEEDS (0 1 2), MODES, CORPORA.
+# Knobs (for a quick check): STEPS (400), LONG_STEPS (2000), SEEDS (0 1 2), MODES, CORPORA,
+# EVAL_BATCHES (40, per evaluation), DEEP_LAYERS (24, the depth part's deeper model; a multiple of 3).
 set -euo pipefail
 PART=${1:?"usage: run.sh PART [RUNS_DIR]; PART: seeds blocks routing_lr depth long report all"}
 RUNS=${2:-runs/study}
 STEPS=${STEPS:-400}
 LONG_STEPS=${LONG_STEPS:-2000}
+EVAL_BATCHES=${EVAL_BATCHES:-40}
+DEEP_LAYERS=${DEEP_LAYERS:-24}
 read -r -a SEEDS <<< "${SEEDS:-0 1 2}"
 read -r -a MODES <<< "${MODES:-baseline full_attnres block_attnres delta delta_block}"
 CORPORA=${CORPORA:-../shared/corpora}
@@ -36,7 +39,7 @@ train() {
   echo "== $workdir ($config, $steps steps, $(date -u +%H:%M:%S))"
   python -m deltares.train --config "$config" --workdir "$workdir" \
     --config.data.dataset="$DATA" --config.train.steps="$steps" --config.train.eval_every=100 \
-    --config.train.checkpoint_every=100 --config.train.eval_batches=40 "$@" 2>&1 | tail -n 2
+    --config.train.checkpoint_every=100 --config.train.eval_batches="$EVAL_BATCHES" "$@" 2>&1 | tail -n 2
 }
 
 seeds() {
@@ -68,7 +71,8 @@ routing_lr() {
 depth() {
   for seed in "${SEEDS[@]:0:2}"; do
     for mode in "${MODES[@]}"; do
-      train "experiments/tiny_deep.py:$mode" "$RUNS/deep/${mode}_L24_s$seed" "$STEPS" --config.seed="$seed"
+      train "experiments/tiny_deep.py:$mode" "$RUNS/deep/${mode}_L${DEEP_LAYERS}_s$seed" "$STEPS" --config.seed="$seed" \
+        --config.model.n_layers="$DEEP_LAYERS"
       train "experiments/tiny_deep.py:$mode,block_layers=2" "$RUNS/deep/${mode}_L6_s$seed" "$STEPS" \
         --config.seed="$seed" --config.model.n_layers=6
     done
@@ -97,7 +101,7 @@ report() {
   for seed in "${SEEDS[@]:0:2}"; do
     deep=()
     for mode in "${MODES[@]}"; do
-      deep+=(--workdir "$RUNS/deep/${mode}_L24_s$seed" --workdir "$RUNS/deep/${mode}_L6_s$seed")
+      deep+=(--workdir "$RUNS/deep/${mode}_L${DEEP_LAYERS}_s$seed" --workdir "$RUNS/deep/${mode}_L6_s$seed")
     done
     dir=$OUT/figures/deep
     [ "$seed" = 0 ] || dir+=_s$seed

@@ -7,11 +7,12 @@ in depth (docs/explanations/store-once.md). Every slot is written once for good
 (per-sublayer modes: a delta; block modes: a completed block's sum, the running
 partial being the stream minus the stream at the block's start, read from the
 stream and never stored for the backward pass), so the final buffer holds every
-source value any sublayer read. `depth_scan` therefore saves per layer only what
-baseline's remat saves, the layer's input stream h, and its backward pass walks the
-sublayers in reverse, each differentiated alone as (params, h, final buffer) -> delta:
-a recomputation never writes, and so never copies, the buffer. Memory beyond
-baseline: the final buffer and one cotangent buffer.
+source value any sublayer read. `depth_scan` therefore saves per layer at most what
+baseline's remat saves, the layer's input stream h (block modes; the per-sublayer modes
+recompute it from the final buffer's deltas, `_stream_checkpoints`), and its backward pass
+walks the sublayers in reverse, each differentiated alone as (params, h, final buffer) ->
+delta: a recomputation never writes, and so never copies, the buffer. Memory beyond
+baseline: the final buffer and one cotangent buffer, updated in place.
 
 Both passes run as one scan per segment of layers (`ResidualPlan.segments`; one segment by
 default): a router reads, and its VJP updates the cotangent of, only the slots its segment can
@@ -235,7 +236,7 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     The backward pass (`_sublayer_backward`) differentiates sublayer by sublayer over the final
     buffer with `layer_fn(params_l, state, l, only=k) -> (v, 1/rms(v))` (sublayer k of layer l
     alone on a state holding the final buffer, `sublayer_input(..., final=True)`, writing nothing).
-    Per layer, the forward pass saves only its input stream.
+    Per layer, the forward pass saves its input stream in the block modes, nothing in the others.
     `unroll` unrolls both scans (the same program without loops); `eps` is the 1/rms epsilon.
 
     With `queries_fn(params_l) -> (query [2, D], gain [2, D])` (the layer's two routers), routing
@@ -252,14 +253,16 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
 
     def forward(params_L, state):
         if group_prefix is not None:
+            h_0 = state.h_BTD
             final, stats, h_L = _grouped_forward(layer_fn, group_prefix, params_L, state, plan, unroll)
-            return (final, stats), (params_L, h_L, final)
+            return (final, stats), (params_L, h_L, final, h_0)
 
-        stats, h_L = [], []  # per segment: the layers' statistics and input streams
+        h_0 = state.h_BTD
+        stats, h_L = [], []  # per segment: the layers' statistics and input streams (block modes)
         for seg in plan.segments:
             def body(state, xs, seg=seg):
                 params_l, layer = xs
-                h_l = state.h_BTD
+                h_l = state.h_BTD if _saves_streams(plan) else None
                 state, stats = layer_fn(params_l, state._replace(segment=seg), layer)
                 return state._replace(segment=None), (stats, h_l)
 
@@ -268,16 +271,17 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
             stats.append(stats_s)
             h_L.append(h_s)
         stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
-        return (state, stats), (params_L, tuple(h_L), state)
+        return (state, stats), (params_L, tuple(h_L), state, h_0)
 
     def backward(residuals, cotangents):
-        params_L, h_L, final = residuals
+        params_L, h_L, final, h_0 = residuals
         d_final, _ = cotangents  # statistics carry no gradient
         with nn.logical_axis_rules(rules):
+            streams = h_L if _saves_streams(plan) else _stream_checkpoints(plan, final, h_0, unroll)
             if group_prefix is not None:
-                return _grouped_backward(layer_fn, group_prefix, params_L, h_L, final, d_final, plan, unroll, eps,
-                                         prefix_grad)
-            return _sublayer_backward(layer_fn, params_L, h_L, final, d_final, plan, unroll, eps)
+                return _grouped_backward(layer_fn, group_prefix, params_L, streams, final, d_final, plan, unroll,
+                                         eps, prefix_grad)
+            return _sublayer_backward(layer_fn, params_L, streams, final, d_final, plan, unroll, eps)
 
     @jax.custom_vjp
     def run(params_L, state):
@@ -287,7 +291,60 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     return run(params_L, state)
 
 
-def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: DepthState, plan: ResidualPlan,
+def _saves_streams(plan: ResidualPlan) -> bool:
+    """Whether the forward pass saves each layer's input stream for the backward pass: the block
+    modes do; in the per-sublayer modes the final buffer holds every delta, and the streams are
+    recomputed from it (`_stream_checkpoints`)."""
+    return plan.mode in BLOCK_MODES
+
+
+class _Streams(NamedTuple):
+    """The per-sublayer modes' layer inputs, recomputed in the backward pass: the stream at every
+    `every`-th layer, and the final buffer whose slots hold the deltas added in between."""
+
+    checkpoints_CBTD: jax.Array
+    every: int
+    sources_SBTD: jax.Array
+    write: np.ndarray
+
+
+def _stream_checkpoints(plan: ResidualPlan, final: DepthState, h_0, unroll: bool = False) -> _Streams:
+    """The stream at layers 0, k, 2k, ... (k about sqrt(L)), from the initial stream `h_0` and the
+    final buffer by the forward pass's own additions h_{j+1} = h_j + v_j, in its order: bit for
+    bit the streams it ran on. Saving sqrt(L) streams instead of L (about 3.8 GiB less per device
+    for delta at 7.6B) costs at most 2(k - 1) additions of a slot per layer. `unroll`: the scan
+    over checkpoints unrolled (the additions always are: one fused pass over their slots)."""
+    k = max(1, round(float(np.sqrt(plan.n_layers))))
+    n_sublayers = 2 * plan.n_layers
+
+    def chunk(h, c):
+        def add(i, h):  # sublayer 2ck + i; past the last sublayer (the last chunk) nothing is added
+            j = 2 * c * k + i
+            slot = jnp.asarray(plan.write)[jnp.minimum(j, n_sublayers - 1)]
+            return jnp.where(j < n_sublayers, h + final.sources_SBTD[slot].astype(h.dtype), h)
+        return jax.lax.fori_loop(0, 2 * k, add, h, unroll=True), h
+
+    n_chunks = -(-plan.n_layers // k)
+    _, checkpoints = jax.lax.scan(chunk, h_0, jnp.arange(n_chunks), unroll=unroll)
+    return _Streams(checkpoints, k, final.sources_SBTD, plan.write)
+
+
+def _stream_at(streams: _Streams, layer):
+    """Layer `layer`'s input stream: its checkpoint plus the deltas of the sublayers since, added in
+    the forward pass's order (a fixed number of steps, those past the layer masked)."""
+    k = streams.every
+    first = (layer // k) * k
+    h = streams.checkpoints_CBTD[layer // k]
+
+    def add(i, h):
+        j = 2 * first + i
+        slot = jnp.asarray(streams.write)[jnp.minimum(j, len(streams.write) - 1)]
+        return jnp.where(j < 2 * layer, h + streams.sources_SBTD[slot].astype(h.dtype), h)
+
+    return jax.lax.fori_loop(0, 2 * (k - 1), add, h, unroll=True) if k > 1 else h
+
+
+def _sublayer_backward(layer_fn, params_L, streams, final: DepthState, d_final: DepthState, plan: ResidualPlan,
                        unroll: bool = False, eps: float = routing.NORM_EPS):
     """The backward pass, sublayer by sublayer in reverse.
 
@@ -298,16 +355,20 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
     d_inv[write[j]]). In block modes a slot's value is c = h_end - h_block, written by the block's
     last sublayer: its cotangent (from later readers) goes to h_end there and, negated, to h_block;
     h_block's cotangent (also from every partial read) is added to the stream's at the sublayer
-    that opened the block. h_j comes from the saved layer input (attention) or as h_l + v_attn
-    (MLP): v_attn is the final buffer's slot (per-sublayer modes) or recomputed (block modes)."""
+    that opened the block. h_j is the layer input h_l (attention) or h_l + v_attn (MLP): h_l is
+    saved per layer (block modes, `streams` per segment) or recomputed from the final buffer
+    (per-sublayer modes, `streams` from `_stream_checkpoints`); v_attn is the final buffer's slot
+    (per-sublayer modes) or recomputed (block modes)."""
     block = plan.mode in BLOCK_MODES
 
     def body(carry, xs, seg: Segment, h_seg):
-        d_h, d_sources, d_inv, d_block = carry
+        d_h, d_sources, d_inv, d_block, _ = carry
         params_l, layer, h_l = xs
         h_block = None
         if block:  # segments hold whole blocks: the block's first layer is in this one
             h_block = h_seg[row(np.repeat(plan.block_start_layer, 2), 2 * layer, seg) - seg.first]
+        else:
+            h_l = _stream_at(streams, layer)
         n = seg.n_read
 
         def delta(p, h, sources, inv, h_block, k):
@@ -323,32 +384,66 @@ def _sublayer_backward(layer_fn, params_L, h_L, final: DepthState, d_final: Dept
             v_attn, attn_vjp = jax.vjp(lambda p, h, *rest: delta(p, h, *rest, 0), params_l, h_l, *primals)
             v_attn = v_attn[0]
         else:
-            v_attn, attn_vjp = final.sources_SBTD[row(plan.write, 2 * layer, seg)], None
-        def vjp_of(k, h_in):
-            return jax.vjp(lambda p, h, *rest: delta(p, h, *rest, k), params_l, h_in, *primals)[1]
+            slot_attn = row(plan.write, 2 * layer, seg)
+            v_attn, inv_attn, attn_vjp = final.sources_SBTD[slot_attn], final.inv_rms_SBT[slot_attn], None
 
-        def absorb(acc, d_reads):  # the reads' cotangents: the segment's slots
-            (d_sources, d_inv), (d_src, d_inv_k) = acc, d_reads
-            return d_sources.at[:n].add(d_src), d_inv.at[:n].add(d_inv_k)
+        def vjp_of(k, h_in):
+            if block or k == 0:
+                return jax.vjp(lambda p, h, *rest: delta(p, h, *rest, k), params_l, h_in, *primals)[1]
+            # the MLP reads the attention's slot as an input of its own, whose cotangent is then the
+            # attention's slot cotangent with no read of an updated buffer (`absorb`)
+            is_attn = jnp.arange(n) == slot_attn
+
+            def mlp(p, h, sources, inv, v, v_inv, h_block):
+                sources = jnp.where(is_attn[:, None, None, None], v[None], sources)
+                return delta(p, h, sources, jnp.where(is_attn[:, None, None], v_inv[None], inv), h_block, k)
+            sources, inv, h_block = primals
+            return jax.vjp(mlp, params_l, h_in, sources, inv, v_attn, inv_attn, h_block)[1]
+
+        def absorb(acc, d_reads):
+            """The reads' cotangents into the buffer's (the segment's slots). The MLP's reads also
+            give the cotangent of the attention's slot (read apart, `vjp_of`); the attention's own
+            slot cotangent adds it to the buffer's from before the MLP's update: read back from the
+            updated buffer, it had XLA write that update out as one more buffer-sized array."""
+            d_sources, d_inv, _ = acc
+            d_src, d_inv_k, *d_attn = d_reads
+            attn_slot = None
+            if d_attn:  # the MLP of a per-sublayer mode
+                attn_slot = (d_sources[slot_attn] + d_attn[0].astype(d_sources.dtype), d_inv[slot_attn] + d_attn[1])
+            return d_sources.at[:n].add(d_src), d_inv.at[:n].add(d_inv_k), attn_slot
 
         def slot_cotangent(acc, k, slot):
-            return acc[0][slot], acc[1][slot]
+            d_sources, d_inv, attn_slot = acc
+            return attn_slot if k == 0 and attn_slot is not None else (d_sources[slot], d_inv[slot])
 
-        d_h, d_block, d_params_l, (d_sources, d_inv) = _layer_backward(
+        d_h, d_block, d_params_l, (d_sources, d_inv, _) = _layer_backward(
             plan, seg, layer, h_l, v_attn, attn_vjp, vjp_of, absorb, slot_cotangent, final, d_h, d_block,
-            (d_sources, d_inv), eps)
-        return (d_h, d_sources, d_inv, d_block), d_params_l
+            (d_sources, d_inv, None), eps)
+        # slot 0's cotangent leaves the loop on its own: read from the loop's buffer after it, it
+        # had XLA lay that buffer out for the read (a relayout copy of it at the loop's entry)
+        return (d_h, d_sources, d_inv, d_block, d_sources[0]), d_params_l
 
     d_block0 = d_final.h_block_BTD if block else None
-    carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT, d_block0)
+    carry = (d_final.h_BTD, _buffer_cotangent(d_final), d_final.inv_rms_SBT, d_block0, d_final.sources_SBTD[0])
     d_params = []
+    h_L = streams if block else (None,) * len(plan.segments)
     for seg, h_seg in reversed(list(zip(plan.segments, h_L))):
         xs = (_segment_of(params_L, seg), _layers_of(seg), h_seg)
-        carry, d_params_s = jax.lax.scan(functools.partial(body, seg=seg, h_seg=h_seg), carry, xs, reverse=True,
-                                         unroll=unroll)
+        step = functools.partial(body, seg=seg, h_seg=h_seg)
+        carry, d_params_s = jax.lax.scan(step, carry, xs, reverse=True, unroll=unroll)
         d_params.insert(0, d_params_s)
     d_params = jax.tree.map(lambda *a: jnp.concatenate(a), *d_params)
-    return d_params, _initial_cotangent(plan, *carry, d_final.sources_SBTD.dtype)
+    d_h, _, d_inv, d_block, d_first = carry
+    return d_params, _initial_cotangent(plan, d_h, d_first, d_inv, d_block, d_final.sources_SBTD.dtype)
+
+
+def _buffer_cotangent(d_final: DepthState):
+    """The buffer's cotangent as the backward loop's initial value: the final state's, plus a zero
+    XLA cannot see. In the modes that output the stream it is all zeros, a constant that XLA
+    (TPU) sinks into the loop as `select(first iteration, 0, carry)` and writes out as one more
+    buffer-sized array per iteration; a computed zero makes a plain buffer, updated in place."""
+    zero = jax.lax.optimization_barrier(jnp.zeros((), d_final.sources_SBTD.dtype))
+    return d_final.sources_SBTD + zero
 
 
 def _layer_backward(plan: ResidualPlan, seg: Segment | None, layer, h_l, v_attn, attn_vjp, vjp_of, absorb,
@@ -409,11 +504,12 @@ def _closed_block_cotangent(final: DepthState, d_sources, d_inv, slot, closes_j,
     return d_h + d_c.astype(d_h.dtype), d_block - d_c.astype(d_block.dtype)
 
 
-def _initial_cotangent(plan: ResidualPlan, d_h, d_sources, d_inv, d_block, dtype) -> DepthState:
-    """The initial state's cotangent. Every slot but 0 (the embedding) is overwritten: the initial
-    buffer's values there do not reach the output."""
+def _initial_cotangent(plan: ResidualPlan, d_h, d_first, d_inv, d_block, dtype) -> DepthState:
+    """The initial state's cotangent from the stream's, slot 0's (`d_first`, the embedding's), the
+    1/rms buffer's and the block start's. Every slot but 0 is overwritten: the initial buffer's
+    values there do not reach the output."""
     first = (jnp.arange(plan.n_slots) == 0)
-    d_sources = jnp.where(first[:, None, None, None], d_sources, 0).astype(dtype)
+    d_sources = jnp.where(first[:, None, None, None], d_first[None], 0).astype(dtype)
     d_inv = jnp.where(first[:, None, None], d_inv, 0)
     return DepthState(d_h, d_sources, d_inv, d_block)
 
@@ -496,11 +592,11 @@ def _grouped_forward(layer_fn, group_prefix, params_L, state: DepthState, plan: 
         out, lse = group_prefix(params_G, state.sources_SBTD, state.inv_rms_SBT, plan, first_layer, n)
         h, stats = [], []
         for i in range(n):
-            h.append(state.h_BTD)
+            h.append(state.h_BTD if _saves_streams(plan) else None)
             prefix = Prefix(out[2 * i: 2 * i + 2], lse[2 * i: 2 * i + 2])
             state, stats_l = layer_fn(_layer_of(params_G, i), state, first_layer + i, prefix=prefix)
             stats.append(stats_l)
-        return state, (_stack(stats), jnp.stack(h))
+        return state, (_stack(stats), jnp.stack(h) if _saves_streams(plan) else None)
 
     full, firsts, tail = _groups(plan, params_L)
     G = plan.group_layers
@@ -589,7 +685,8 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
             layer = first_layer + i
             # the layer's recomputation waits for the later layer's cotangent: without the barrier
             # XLA may recompute every layer of the group at once, holding all their activations
-            d_h, h_l = jax.lax.optimization_barrier((d_h, h_L[layer]))
+            h_l = h_L[layer] if block else _stream_at(h_L, layer)
+            d_h, h_l = jax.lax.optimization_barrier((d_h, h_l))
             h_block = h_L[block_start[layer]] if block else None
             prefix = Prefix(out[2 * i: 2 * i + 2], lse[2 * i: 2 * i + 2], window, window_inv)
             d_h, d_block, d_params_l, (d_window, d_window_inv, d_out_l, d_lse_l) = _grouped_layer_backward(
@@ -608,13 +705,15 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
 
     full, firsts, tail = _groups(plan, params_L)
     G = plan.group_layers
-    carry = (d_final.h_BTD, d_final.sources_SBTD, d_final.inv_rms_SBT, d_final.h_block_BTD if block else None)
+    carry = (d_final.h_BTD, _buffer_cotangent(d_final), d_final.inv_rms_SBT, d_final.h_block_BTD if block else None)
     d_tail = None
     if tail is not None:  # the last group runs first
         carry, d_tail = run_group(carry, tail, firsts.shape[0] * G, plan.n_layers % G)
     carry, d_full = jax.lax.scan(lambda c, xs: run_group(c, xs[0], xs[1], G), carry, (full, firsts), reverse=True,
                                  unroll=unroll)
-    return _ungroup(d_full, d_tail), _initial_cotangent(plan, *carry, d_final.sources_SBTD.dtype)
+    d_h, d_sources, d_inv, d_block = carry
+    return _ungroup(d_full, d_tail), _initial_cotangent(plan, d_h, d_sources[0], d_inv, d_block,
+                                                        d_final.sources_SBTD.dtype)
 
 
 __all__ = ["DepthState", "Prefix", "add_delta", "depth_scan", "init_depth_state", "stack_output", "sublayer_input"]

@@ -160,7 +160,7 @@ DEEP = ("--topology", "v5p:2x2x1", "--config.model.scan_layers=True", "--config.
 def test_delta_step_on_tpu_stays_near_its_floor():
     """The TPU program of delta's train step holds, beyond baseline's, little more than its routing
     floor (the live sources and one cotangent buffer). Measured 2026-12-04 (libtpu 0.0.42.1):
-    baseline 1767.2 MiB, delta 3865.8 (1.37 floors more); before the backward pass kept its loop's
+    baseline 1767.2 MiB, delta 3962.2 (1.43 floors more); before the backward pass kept its loop's
     buffers in place and stopped saving every layer's stream, 5607.6 (2.50 floors)."""
     base, delta = (report_of(run_aot("--config", f"experiments/tiny_deep.py:{mode}", *DEEP)) for mode in
                    ("baseline", "delta"))

@@ -78,11 +78,11 @@ def test_delta_memory_grows_linearly_with_depth_under_remat():
 def test_per_sublayer_backward_keeps_few_buffer_copies(scan_segments, bound):
     # The per-sublayer modes differentiate sublayer by sublayer over the final buffer, writing
     # nothing: beyond baseline's temporaries they hold the buffer, its cotangent and a few
-    # transients. On this CPU, in units of the buffer: one scan 6.41 (delta), 8 segments 11.17
+    # transients. On this CPU, in units of the buffer: one scan 6.55 (delta), 8 segments 11.09
     # (XLA's CPU buffers around the segments' loops). The MLP's read of the attention's slot as an
     # input of its own (a select over the buffer) costs about one buffer here, where CPU XLA writes
-    # the select out; for TPU XLA fuses it into the reads and it saves one (7.6B delta 52.5 GiB,
-    # 70.2 without it): tests/test_aot.py bounds the TPU program. The layer-level recomputation,
+    # the select out; for TPU XLA fuses it into the reads and it saves more (7.6B delta 55.2 GiB,
+    # 70.7 without it): tests/test_aot.py bounds the TPU program. The layer-level recomputation,
     # which copies the buffer at each write, held 7.4-8.0 with one scan.
     n_layers = 32
     buffer_bytes = (2 * n_layers + 1) * 2 * 64 * 64 * 4  # S x B x T x D float32

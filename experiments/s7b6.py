@@ -1,7 +1,7 @@
 """7.6B: d=4096, 36 layers, 32/8 heads of 128, FFN 12288, Qwen3 vocabulary (7568.4M parameters, tied).
 
 Delta Block defaults to 6 layers per block (6 blocks); remat defaults to "full". Needs a
-TPU pod slice (v5p-16, 8 chips, fits delta_block at 39.0 GiB and delta at 52.2 GiB per
+TPU pod slice (v5p-16, 8 chips, fits delta_block at 39.0 GiB and delta at 55.2 GiB per
 chip, baseline 37.0, AOT 2026-12-04 with jax 0.12) or several large GPUs; see docs/guides/scaling-out.md.
 The loss is not chunked here: at this scale chunks of 512 tokens raised memory per device (baseline 36.99 -> 37.47, delta_block
 49.62 -> 55.11, delta 75.17 -> 82.89 GiB on v5p:2x2x2).

@@ -300,10 +300,9 @@ def _saves_streams(plan: ResidualPlan) -> bool:
 
 class _Streams(NamedTuple):
     """The per-sublayer modes' layer inputs, recomputed in the backward pass: the stream at every
-    `every`-th layer, and the final buffer whose slots hold the deltas added in between."""
+    `STREAM_CHECKPOINT_EVERY`-th layer, and the final buffer whose slots hold the deltas added in between."""
 
     checkpoints_CBTD: jax.Array
-    every: int
     sources_SBTD: jax.Array
     write: np.ndarray
 
@@ -334,13 +333,13 @@ def _stream_checkpoints(plan: ResidualPlan, final: DepthState, h_0, unroll: bool
     # the checkpoints start as copies of h_0: a broadcast constant XLA would sink into the loop
     checkpoints = jnp.broadcast_to(h_0, (-(-plan.n_layers // k),) + h_0.shape)
     (_, checkpoints), _ = jax.lax.scan(layer, (h_0, checkpoints), jnp.arange(plan.n_layers), unroll=unroll)
-    return _Streams(checkpoints, k, final.sources_SBTD, plan.write)
+    return _Streams(checkpoints, final.sources_SBTD, plan.write)
 
 
 def _stream_at(streams: _Streams, layer):
     """Layer `layer`'s input stream: its checkpoint plus the deltas of the sublayers since, added in
     the forward pass's order (a fixed number of steps, those past the layer masked)."""
-    k = streams.every
+    k = STREAM_CHECKPOINT_EVERY
     # a layer index known to XLA (unrolled layers) would fold the masks away, and the additions
     # would differ from layer to layer: in a scanned program, which this one estimates, they do not
     layer = jax.lax.optimization_barrier(layer)
@@ -352,7 +351,7 @@ def _stream_at(streams: _Streams, layer):
         slot = jnp.asarray(streams.write)[jnp.minimum(j, len(streams.write) - 1)]
         return jnp.where(j < 2 * layer, h + streams.sources_SBTD[slot].astype(h.dtype), h)
 
-    return jax.lax.fori_loop(0, 2 * (k - 1), add, h, unroll=True) if k > 1 else h
+    return jax.lax.fori_loop(0, 2 * (k - 1), add, h, unroll=True)
 
 
 def _sublayer_backward(layer_fn, params_L, streams, final: DepthState, d_final: DepthState, plan: ResidualPlan,

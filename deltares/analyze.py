@@ -50,6 +50,7 @@ from deltares.nn.layers import DepthRouter
 from deltares.training.metrics import read_metrics
 from deltares.nn.model import Transformer
 from deltares.nn.residual import plan_for
+from deltares.nn.stack import with_layer_layout
 
 # Routing sharpness reported by the Delta AttnRes paper (PAPER_RESULTS.md): deep-layer max weight
 # over cumulative sources (Kimi AttnRes) and over deltas.
@@ -145,12 +146,7 @@ def unrolled(model_cfg, params) -> tuple[Transformer, dict]:
     cfg = ml_collections.ConfigDict(model_cfg.to_dict())
     cfg.scan_layers, cfg.remat = False, "none"
     cfg.residual.impl = "xla"  # the fused kernel returns no weights
-    if "layers" in params:
-        params = dict(params)
-        stacked = params.pop("layers")
-        for layer in range(cfg.n_layers):
-            params[f"layers_{layer}"] = jax.tree.map(lambda x, i=layer: x[i], stacked)
-    return Transformer(cfg), params
+    return Transformer(cfg), with_layer_layout(params, scanned=False)
 
 
 def make_weights_step(model: Transformer, with_final: bool, with_null: bool = False):

@@ -37,6 +37,7 @@ from deltares.data.documents import BUILTIN, DataError
 from deltares.data.run_data import RunData, open_run_data, unigram_perplexity
 from deltares.interop import hf
 from deltares.nn.attention import check_attention
+from deltares.nn.stack import with_layer_layout
 from deltares.training.experiment import validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.scoring import evaluate
@@ -184,12 +185,14 @@ def _init_from_hf(path: str, model_cfg):
     return params
 
 
-def _init_from(path: str, params):
-    """`params` with every leaf that `path`'s checkpoint also has replaced by the checkpoint's value."""
+def _init_from(path: str, params, model_cfg):
+    """`params` with every leaf that `path`'s checkpoint also has replaced by the checkpoint's value
+    (its layers stacked or unrolled as `model_cfg.scan_layers` has them)."""
     try:
         source = load_checkpoint(path).state["params"]
     except (FileNotFoundError, CheckpointError) as err:
         raise TrainError(f"config.init_from: {err}") from None
+    source = with_layer_layout(source, model_cfg.scan_layers)
     flat_source = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(source)[0]}
     taken, fresh = 0, []
 
@@ -332,7 +335,7 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
     params = _init_from_hf(cfg.init_from_hf, cfg.model) if cfg.init_from_hf else None
     state = training.init(cfg.seed)
     if cfg.init_from:
-        params = _init_from(cfg.init_from, state["params"])
+        params = _init_from(cfg.init_from, state["params"], cfg.model)
     if params is None:
         return state, 0
     return jax.device_put({**state, "params": params, "opt_state": training.tx.init(params)}, training.state_shardings), 0

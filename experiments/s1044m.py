@@ -4,13 +4,14 @@ Delta Block defaults to 6 layers per block (6 blocks).
 
 Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the
 paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
---estimate`, 2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 628.5 ms per
-step at 48.38 GiB per chip against 684.1 ms at 20.89 GiB with remat `full`; nothing fits without
-remat. The routed modes run the store-once pass under either policy (it recomputes each layer in the
-backward pass), so `dots` and `full` are the same program there. `delta` and `full_attnres` route
-two-phase in groups of 4 layers (`residual.group_layers=4`): on one H200, `delta` 512.3 ms per step
-against 1397.6 ungrouped (TPU estimate: 932.3 against 1408.9). On other hardware `deltares.aot
---search` names the flags to add.
+--estimate`, jax 0.12.0.1); nothing fits without remat. Baseline and the block modes unroll their
+layers (`scan_layers=False`), where each router reads only its own sources and each source's
+cotangent is summed on its own (2026-12-05): baseline 627.8 ms per step, `delta_block` 683.0
+(1.088x) at 37.37 GiB per chip, against 820.3 ms under one layer scan (the store-once pass,
+which recomputes every layer whatever the policy). `delta` and `full_attnres` keep the scan and
+route two-phase in groups of 4 layers (`residual.group_layers=4`): `delta` 897.3 ms (2026-12-04)
+against 932.9 unrolled and 1408.9 scanned ungrouped; on one H200 512.3 ms per step against 1397.6
+ungrouped. On other hardware `deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/s1044m.py:delta_block --workdir runs/s1044m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
@@ -21,7 +22,7 @@ block AttnRes 31.76, full AttnRes 33.36, Delta Block 29.19, Delta AttnRes 29.13.
 from deltares.training.experiment import PAPER_RECIPE, PER_SUBLAYER_GROUP_LAYERS, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1280, n_layers=36, n_heads=20, n_kv_heads=4, head_dim=64, d_ff=5120,
-             remat="dots", loss_chunk=0)  # measured defaults (docstring)
+             remat="dots", scan_layers=False, loss_chunk=0)  # measured defaults (docstring)
 
 
 def get_config(arg="delta_block"):

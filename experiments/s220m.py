@@ -2,11 +2,14 @@
 
 Delta Block defaults to 2 layers per block (6 blocks), the paper's main-table setting.
 
-Defaults: no remat and the plain loss, the fastest setting that fits the paper's 32 x 2048 on 4 v5p
-chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot --estimate`, 2026-12-03, jax
-0.12.0.1): `delta_block` 147.7 ms per step at 67.92 GiB per chip against 174.6 ms with remat
-`full`; the largest, `full_attnres` and `delta`, take 88.76 and 88.24 GiB of the chip's 95.74.
-On other hardware `deltares.aot --search` names the flags to add.
+Defaults: layers unrolled (`scan_layers=False`), no remat and the plain loss, the fastest setting
+that fits the paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate
+(`deltares.aot --estimate`, 2026-12-05, jax 0.12.0.1): baseline 120.1 ms per step, `delta_block`
+128.4 (1.069x) and `delta` 135.4 (1.127x), each at about 33 GiB per chip of the chip's 95.74.
+Unrolled, each router reads only its own sources and each source's cotangent is summed on its own;
+under one layer scan (`--config.model.scan_layers=True`) every router reads the whole source buffer:
+122.9, 147.7 and 181.7 ms at 58.73, 67.92 and 88.24 GiB. On other hardware `deltares.aot --search`
+names the flags to add.
 
 Run: python -m deltares.train --config experiments/s220m.py:delta_block --workdir runs/s220m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
@@ -22,7 +25,7 @@ Block-size ablation (the paper's Table 2):
 from deltares.training.experiment import PAPER_RECIPE, experiment
 
 MODEL = dict(vocab_size=151936, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=3072,
-             loss_chunk=0)  # measured defaults (docstring)
+             scan_layers=False, loss_chunk=0)  # measured defaults (docstring)
 
 ABLATION_BLOCK_LAYERS = (1, 2, 4, 6, 12)
 

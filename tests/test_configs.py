@@ -120,6 +120,16 @@ def test_per_sublayer_modes_route_two_phase_at_the_remat_scales(scale):
         assert cfg.model.residual.group_layers == 0
 
 
+def test_measured_scales_unroll_their_layers_but_keep_the_scan_for_two_phase_groups():
+    """s220m and s1044m unroll their layers, where each router reads only its own sources (faster by
+    the TPU estimate, experiments' docstrings); s1044m's per-sublayer modes keep the layer scan that
+    their two-phase groups run in."""
+    for mode in MODES:
+        assert load("s220m").get_config(mode).model.scan_layers is False, mode
+        assert load("s1044m").get_config(mode).model.scan_layers == (mode in ("delta", "full_attnres")), mode
+    assert load("s533m").get_config("delta_block").model.scan_layers is True
+
+
 def test_variant_sets_block_layers():
     assert parse_variant("delta_block,block_layers=4") == {"mode": "delta_block", "block_layers": 4}
     for scale in ("s220m", "tiny", "s7b6"):

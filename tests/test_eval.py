@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -221,10 +222,36 @@ def test_params_only_restore_never_reads_the_optimizer_state(run, tmp_path):
     from deltares.train import _init_from  # config.init_from takes parameters only too
 
     zeros = jax.tree.map(np.zeros_like, run["state"]["params"])
-    for a, b in zip(jax.tree.leaves(_init_from(workdir, zeros)), want):
+    for a, b in zip(jax.tree.leaves(_init_from(workdir, zeros, run["cfg"].model)), want):
         np.testing.assert_array_equal(np.asarray(a), b)
     # what evaluation and generation load works on the damaged checkpoint too
     assert evaluate_checkpoint(workdir, run["dataset"]) == evaluate_checkpoint(run["workdir"], run["dataset"])
+
+
+def test_init_from_takes_a_checkpoint_of_the_other_layer_layout(run, capsys):
+    """config.init_from loads a run's layers into a model whose layers are the other way (stacked on a
+    leading axis under nn.scan, or one parameter set per layer): every value taken, none fresh."""
+    from deltares.train import _init_from
+
+    source = run["state"]["params"]
+    other = ml_collections.ConfigDict(run["cfg"].model.to_dict())
+    other.scan_layers = not other.scan_layers
+    tokens = np.zeros((1, 8), np.int32)
+    target = jax.eval_shape(lambda: nn.meta.unbox(Transformer(other).init(jax.random.PRNGKey(0), tokens)["params"]))
+    got = _init_from(run["workdir"], jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), target), other)
+    assert " 0 freshly initialised" in capsys.readouterr().err
+    stacked, split = (got, source) if other.scan_layers else (source, got)
+    n_layers = other.n_layers
+    assert set(split) == {f"layers_{i}" for i in range(n_layers)} | (set(stacked) - {"layers"})
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked["layers"])[0]:
+        for i in range(n_layers):
+            one = split[f"layers_{i}"]
+            for key in path:
+                one = one[key.key]
+            np.testing.assert_array_equal(np.asarray(one), np.asarray(leaf)[i], err_msg=f"layer {i} {path}")
+    for name in set(stacked) - {"layers"}:  # embedding, final norm, ...
+        for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(source[name])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_sharded_params_only_restore(run, tmp_path):

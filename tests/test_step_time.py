@@ -77,6 +77,17 @@ def test_slot_reads_follow_the_segments():
     assert reads("delta", 12, group_layers=2) == 12 * 25  # two-phase: every group reads the whole buffer
 
 
+def test_slot_reads_of_unrolled_layers_count_each_routers_own_sources():
+    def reads(mode, n_layers, block_layers=1):
+        cfg = model_config(n_layers=n_layers, scan_layers=False, residual=dict(mode=mode, block_layers=block_layers))
+        return st.slot_reads(plan_for(cfg), two_phase(cfg), unrolled=True)
+
+    assert reads("baseline", 12) == 0
+    assert reads("delta", 3) == (1 + 2 + 3 + 4 + 5 + 6) / 2  # sublayer j reads e and the j deltas before it
+    # block n (2 layers, 4 sublayers): the opener reads e and the n completed blocks, the others the partial too
+    assert reads("delta_block", 4, 2) == ((1 + 2 + 2 + 2) + (2 + 3 + 3 + 3)) / 2
+
+
 def test_compile_plan_keeps_small_blocks_and_shrinks_large_ones():
     def plan(mode, block_layers, layers=None):
         return st.compile_plan(model_config(n_layers=36, residual=dict(mode=mode, block_layers=block_layers)), layers)

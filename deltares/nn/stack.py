@@ -125,6 +125,23 @@ def stack_layers(parent: nn.Module, layer_cls, fields: tuple, routing: DepthRout
     return scanned(*fields, name="layers")(state, jnp.arange(n_layers), xs, *args)
 
 
+def with_layer_layout(params: dict, scanned: bool) -> dict:
+    """`params` (a stack's or a Transformer's) with their layers in the layout `stack_layers` gives
+    them: one stacked `layers` [L, ...] (`scanned`) or `layers_0 .. layers_{L-1}` (unrolled); the same
+    values either way, so a checkpoint of one layout initialises a model of the other."""
+    params = dict(params)
+    if scanned and "layers" not in params and "layers_0" in params:
+        split = []
+        while f"layers_{len(split)}" in params:
+            split.append(params.pop(f"layers_{len(split)}"))
+        params["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *split)
+    elif not scanned and "layers" in params:
+        stacked = params.pop("layers")
+        for index in range(len(jax.tree.leaves(stacked)[0])):
+            params[f"layers_{index}"] = jax.tree.map(lambda a, index=index: a[index], stacked)
+    return params
+
+
 class DepthStack(nn.Module):
     """`n_layers` layers of `sublayers` (two module factories) under residual `mode`; returns the
     stack's output before the final norm (the Kimi modes route it with one more router,
@@ -181,4 +198,4 @@ class DepthStack(nn.Module):
             return routing.output(state, final_router)
 
 
-__all__ = ["DepthStack", "RoutedLayer", "stack_layers"]
+__all__ = ["DepthStack", "RoutedLayer", "stack_layers", "with_layer_layout"]

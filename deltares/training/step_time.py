@@ -91,12 +91,17 @@ def extrapolate_reads(points: Mapping[tuple[int, int], float], n_layers: int, re
     return float(coef @ np.array([1.0, n_layers, reads]))
 
 
-def slot_reads(plan, grouped: bool = False) -> int:
+def slot_reads(plan, grouped: bool = False, unrolled: bool = False) -> float:
     """Slots a routed model's routers read, summed over its layers: each layer of a store-once
     scan segment reads the segment's `n_read` slots (`ResidualPlan.segments`); with two-phase
-    routing (`grouped`) every group reads all n_slots; 0 in baseline."""
+    routing (`grouped`) every group reads all n_slots; unrolled layers (`scan_layers=False`, the
+    sources held apart) read each router's own, up to its last (a layer counts the mean of its two
+    sublayers); 0 in baseline."""
     if not plan.uses_sources:
         return 0
+    if unrolled:
+        last_J = plan.read.shape[1] - plan.read[:, ::-1].argmax(axis=1)
+        return float(last_J.sum()) / 2
     if grouped:
         return plan.n_layers * plan.n_slots
     return sum(seg.n_layers * seg.n_read for seg in plan.segments)
@@ -148,7 +153,7 @@ def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[
     for n in sorted(layers):
         bl = min(block_layers, n)
         plan = make_plan(res.mode, n, bl, res.include_partial, max(1, res.group_layers), res.scan_segments)
-        out.append((n, bl, slot_reads(plan, two_phase(model_cfg))))
+        out.append((n, bl, slot_reads(plan, two_phase(model_cfg), not model_cfg.scan_layers)))
     return tuple(out)
 
 
@@ -270,7 +275,7 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     from deltares.nn.residual import plan_for, two_phase
 
     n_layers, n_slots = cfg.model.n_layers, n_slots_of(cfg.model)
-    reads = slot_reads(plan_for(cfg.model), two_phase(cfg.model))
+    reads = slot_reads(plan_for(cfg.model), two_phase(cfg.model), not cfg.model.scan_layers)
     shallow = compile_plan(cfg.model, layers)
     specs = ((n_layers, cfg.model.residual.block_layers, reads),) if full else shallow
     points = {(n, bl): compile_costs(_with(cfg, n_layers=n, block_layers=bl), mesh) for n, bl, _ in specs}

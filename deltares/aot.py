@@ -516,7 +516,8 @@ def main(argv):
         if _ESTIMATE.value:
             from deltares.training.step_time import estimate_step_time
 
-            print("estimating the step time: unrolled compiles at a few depths ...", file=sys.stderr, flush=True)
+            how = "unrolled compiles at a few depths" if _CONFIG.value.model.scan_layers else "the whole model compiled"
+            print(f"estimating the step time: {how} ...", file=sys.stderr, flush=True)
             report["estimate"] = estimate_step_time(_CONFIG.value, _TOPOLOGY.value, _MESH.value)
             report["estimate"]["mfu"] = estimated_mfu(report)
     except AotError as err:
@@ -540,7 +541,8 @@ def cli() -> None:
     _JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
     _ESTIMATE = flags.DEFINE_bool(
         "estimate", False, "Also the TPU compiler's estimate of the step time (deltares.training.step_time: unrolled "
-        "compiles at a few depths, extrapolated; a cost model, not a measurement).")
+        "compiles at a few depths, extrapolated, or with unrolled layers the whole model; a cost model, not a "
+        "measurement).")
     _SEARCH = flags.DEFINE_bool(
         "search", False, "Compile at every remat policy (none, dots, full) with the plain and the chunked loss and "
         "report which fit and the fastest that fits (by the estimate with --estimate, else by the order of less "

@@ -69,9 +69,11 @@ stage_command() {
     s220m_cudnn) CMD=("${S220M[@]}" --config.model.attention=cudnn) ;;
     s220m_cudnn_kernel) CMD=("${S220M[@]}" --config.model.attention=cudnn --config.model.residual.impl=pallas_gpu) ;;
     s1044m) CMD=("${S1044M[@]}" --modes baseline,delta_block,delta) ;;
-    s1044m_grouped) CMD=("${S1044M[@]}" --modes baseline,delta_block,delta --config.model.residual.group_layers=4) ;;
-    s1044m_segments) CMD=("${S1044M[@]}" --modes baseline,delta --config.model.residual.group_layers=0
-                           --config.model.residual.scan_segments=12) ;;
+    # two-phase groups and segments run inside the layer scan, which s1044m's block modes no longer use
+    s1044m_grouped) CMD=("${S1044M[@]}" --modes baseline,delta_block,delta --config.model.scan_layers=True
+                         --config.model.residual.group_layers=4) ;;
+    s1044m_segments) CMD=("${S1044M[@]}" --modes baseline,delta --config.model.scan_layers=True
+                          --config.model.residual.group_layers=0 --config.model.residual.scan_segments=12) ;;
   esac
 }
 

@@ -532,7 +532,8 @@ def test_gpu_bench_runs_its_stages_and_reports_failures(tmp_path):
     assert log.read_text().splitlines() == [
         "-m kernels_pallas.depth_route.bench --train_layers 0",
         "-m deltares.bench --config experiments/s1044m.py --batch 8 --seq_len 2048 --rounds 2 --steps 2 "
-        "--modes baseline,delta --config.model.residual.group_layers=0 --config.model.residual.scan_segments=12"]
+        "--modes baseline,delta --config.model.scan_layers=True --config.model.residual.group_layers=0 "
+        "--config.model.residual.scan_segments=12"]
     assert (out / "kernel.txt").read_text() == "| baseline | 1.0 |\n"
     assert res.stdout.count("| baseline | 1.0 |") == 2 and "== s1044m_segments: exit 0" in res.stdout
     res = run(GPU_BENCH, ["--stages", "kernel,s220m", "--out", str(out), "--python", "false"])

@@ -140,6 +140,8 @@ cfg = get_config("delta")
 cfg.model.n_layers, cfg.model.remat = 6, "full"
 out = dict(estimate=st.estimate_step_time(cfg, "v5e:2x2", layers=(2, 3, 4, 5)),
            full=st.estimate_step_time(cfg, "v5e:2x2", full=True))
+cfg.model.scan_layers = False
+out["unrolled"] = st.estimate_step_time(cfg, "v5e:2x2")
 print(json.dumps(out))
 """
 
@@ -166,6 +168,8 @@ def test_estimate_from_shallow_compiles_matches_the_full_unroll():
         assert estimate[key] == pytest.approx(full[key], rel=0.02), key
     assert estimate["flops_per_step"] == pytest.approx(4 * estimate["flops"])
     assert estimate["loss_loop"] is None  # debug's loss is not chunked
+    # unrolled layers: the real program is the full unroll, compiled whole, nothing extrapolated
+    assert out["unrolled"]["method"] == "full" and out["unrolled"]["layers_compiled"] == [6]
 
 
 RECOMPUTE = r"""

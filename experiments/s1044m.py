@@ -6,8 +6,8 @@ Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting 
 paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
 --estimate`, jax 0.12.0.1); nothing fits without remat. Baseline and the block modes unroll their
 layers (`scan_layers=False`), where each router reads only its own sources and each source's
-cotangent is summed on its own (2026-12-05): baseline 627.8 ms per step, `delta_block` 683.0
-(1.088x) at 37.37 GiB per chip, against 820.3 ms under one layer scan (the store-once pass,
+cotangent is summed on its own (2026-12-05): baseline 632.1 ms per step, `delta_block` 686.1
+(1.085x) at 37.37 GiB per chip, against 820.3 ms under one layer scan (the store-once pass,
 which recomputes every layer whatever the policy). `delta` and `full_attnres` keep the scan and
 route two-phase in groups of 4 layers (`residual.group_layers=4`): `delta` 897.3 ms (2026-12-04)
 against 932.9 unrolled and 1408.9 scanned ungrouped; on one H200 512.3 ms per step against 1397.6

@@ -109,6 +109,13 @@ def slot_reads(plan, grouped: bool = False, unrolled: bool = False) -> float:
     return sum(seg.n_layers * seg.n_read for seg in plan.segments)
 
 
+def _model_slot_reads(model_cfg, plan) -> float:
+    """`slot_reads` of `plan` as `model_cfg` runs it (two-phase groups, unrolled layers)."""
+    from deltares.nn.residual import two_phase
+
+    return slot_reads(plan, two_phase(model_cfg), not model_cfg.scan_layers)
+
+
 def default_layers(model_cfg) -> tuple[int, ...]:
     """Depths to compile: (2, 4) in baseline (its cost is linear in depth); (2, 4, 6) in the
     routed modes, whose per-layer cost grows with the slots its routers read (`extrapolate_reads`); with
@@ -142,7 +149,7 @@ def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[
     say nothing of the 7 slots every router of the 36-layer model reads. With two-phase routing
     over groups of more than one layer the model's own block size is kept: the groups tile its
     blocks (`default_layers` then compiles at multiples of it)."""
-    from deltares.nn.residual import make_plan, two_phase
+    from deltares.nn.residual import make_plan
 
     layers = tuple(int(n) for n in (layers if layers is not None else default_layers(model_cfg)))
     if len(set(layers)) != len(layers) or min(layers) < 1:
@@ -155,7 +162,7 @@ def compile_plan(model_cfg, layers: Sequence[int] | None = None) -> tuple[tuple[
     for n in sorted(layers):
         bl = min(block_layers, n)
         plan = make_plan(res.mode, n, bl, res.include_partial, max(1, res.group_layers), res.scan_segments)
-        out.append((n, bl, slot_reads(plan, two_phase(model_cfg), not model_cfg.scan_layers)))
+        out.append((n, bl, _model_slot_reads(model_cfg, plan)))
     return tuple(out)
 
 
@@ -275,12 +282,12 @@ def estimate_step_time(cfg, topology: str, mesh_override: str | None = None, lay
     `compile_seconds` (all compiles); and what was estimated (mode, depth, topology, mesh,
     batch, remat). Raises the compiler's error where a compile fails (e.g. out of HBM)."""
     mesh, devices = _mesh(cfg, topology, mesh_override)
-    from deltares.nn.residual import plan_for, two_phase
+    from deltares.nn.residual import plan_for
 
     full = full or (not cfg.model.scan_layers and layers is None)
 
     n_layers, n_slots = cfg.model.n_layers, n_slots_of(cfg.model)
-    reads = slot_reads(plan_for(cfg.model), two_phase(cfg.model), not cfg.model.scan_layers)
+    reads = _model_slot_reads(cfg.model, plan_for(cfg.model))
     shallow = compile_plan(cfg.model, layers)
     specs = ((n_layers, cfg.model.residual.block_layers, reads),) if full else shallow
     points = {(n, bl): compile_costs(_with(cfg, n_layers=n, block_layers=bl), mesh) for n, bl, _ in specs}

@@ -78,14 +78,20 @@ def test_slot_reads_follow_the_segments():
 
 
 def test_slot_reads_of_unrolled_layers_count_each_routers_own_sources():
-    def reads(mode, n_layers, block_layers=1):
-        cfg = model_config(n_layers=n_layers, scan_layers=False, residual=dict(mode=mode, block_layers=block_layers))
+    def reads(mode, n_layers, block_layers=1, group_layers=0):
+        cfg = model_config(n_layers=n_layers, scan_layers=False, residual=dict(mode=mode, block_layers=block_layers,
+                                                                               group_layers=group_layers))
         return st.slot_reads(plan_for(cfg), two_phase(cfg), unrolled=True)
 
     assert reads("baseline", 12) == 0
     assert reads("delta", 3) == (1 + 2 + 3 + 4 + 5 + 6) / 2  # sublayer j reads e and the j deltas before it
     # block n (2 layers, 4 sublayers): the opener reads e and the n completed blocks, the others the partial too
     assert reads("delta_block", 4, 2) == ((1 + 2 + 2 + 2) + (2 + 3 + 3 + 3)) / 2
+    # two-phase, groups of 2 layers: phase one reads e and the group's earlier slots once (1, then 5),
+    # each sublayer its group-mates' deltas (0 + 1 + 2 + 3 per group)
+    assert reads("delta", 4, group_layers=2) == (1 + 5) + 2 * (0 + 1 + 2 + 3) / 2
+    # groups = blocks of 2: phase one reads e and the completed blocks (1, 2), each non-opener the partial
+    assert reads("delta_block", 4, 2, group_layers=2) == (1 + 2) + 2 * 3 / 2
 
 
 def test_compile_plan_keeps_small_blocks_and_shrinks_large_ones():

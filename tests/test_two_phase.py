@@ -251,6 +251,48 @@ def test_grouped_depth_pass_equals_ungrouped(mode, n_layers, block_layers, group
         np.testing.assert_allclose(g1, g0, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("mode, n_layers, block_layers, group_layers, residual, remat", [
+    ("delta", 4, 1, 2, {}, "none"),
+    ("delta", 5, 1, 4, dict(gate=True, null_source=True), "full"),  # 5 layers: groups of 1 (the divisor)
+    ("delta", 6, 1, 4, {}, "dots"),  # groups of 3
+    ("full_attnres", 4, 1, 4, {}, "none"),
+    ("delta_block", 5, 2, 2, {}, "none"),  # the last block (one layer) is the remainder group
+    ("delta_block", 4, 2, 2, dict(gate=True, null_source=True), "full"),
+    ("delta_block", 4, 1, 4, dict(include_partial=False), "none"),
+    ("delta_block", 6, 4, 2, {}, "none"),  # two groups per block, the last block short
+    ("block_attnres", 4, 2, 2, {}, "dots"),
+])
+def test_unrolled_grouped_layers_equal_ungrouped(mode, n_layers, block_layers, group_layers, residual, remat,
+                                                 monkeypatch):
+    """Unrolled layers (sources held apart, plain autodiff) route two-phase: phase one once per
+    group over the stacked earlier slots, merged with each sublayer's own later slots."""
+    from deltares.nn import stack
+
+    calls = []
+    original = stack.listed_group_prefix
+    monkeypatch.setattr(stack, "listed_group_prefix", lambda *a, **k: calls.append(a[4]) or original(*a, **k))
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+
+    def cfg(group):
+        c = _cfg(mode, group, n_layers, block_layers, **residual)
+        c.scan_layers, c.remat = False, remat
+        return c
+
+    params = nn.meta.unbox(Transformer(cfg(0)).init(jax.random.key(1), tokens[:, :-1]))["params"]
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    loss0, grads0 = _loss_and_grads(cfg(0), params, tokens)
+    assert not calls
+    grouped = cfg(group_layers)
+    loss1, grads1 = _loss_and_grads(grouped, params, tokens)
+    G = make_plan(mode, n_layers, block_layers, True, group_layers).group_layers
+    assert calls == list(range(0, n_layers, G))  # phase one ran at each group's first layer
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    for (path, g0), g1 in zip(jax.tree_util.tree_flatten_with_path(grads0)[0], jax.tree.leaves(grads1)):
+        np.testing.assert_allclose(g1, g0, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("mode, n_layers, block_layers, group_layers, want", [
     ("delta", 36, 1, 4, 4), ("delta", 6, 1, 4, 3), ("delta", 5, 1, 4, 1), ("full_attnres", 12, 1, 8, 6),
     ("delta_block", 6, 4, 4, 4), ("delta_block", 6, 4, 1, 1), ("delta_block", 5, 4, 3, 2), ("block_attnres", 36, 6, 4, 3),

@@ -75,11 +75,11 @@ MODEL_FIELDS = (
     Field("residual.mode", "delta_block", str, MODES, "residual scheme (docs/explanations/modes.md)"),
     Field("residual.block_layers", 4, int, POSITIVE, "layers per block of the block modes; at most n_layers"),
     Field("residual.include_partial", True, bool, None, "route over the current block's partial sum too"),
-    Field("residual.group_layers", 0, int, NON_NEGATIVE, "two-phase grouped routing in the store-once scan (scanned "
-          "layers, remat; same math): the sources completed before each group of this many layers (at most: a "
-          "divisor of block_layers in block modes, of n_layers otherwise) are routed in one pass for all its "
-          "sublayers (with impl pallas: the fused K-query kernel); 0 (default, the faster and smaller program "
-          "under XLA, see docs/explanations/performance.md): one pass per sublayer"),
+    Field("residual.group_layers", 0, int, NON_NEGATIVE, "two-phase grouped routing (unrolled layers, or the "
+          "store-once scan of scanned layers under remat; same math): the sources completed before each group of "
+          "this many layers (at most: a divisor of block_layers in block modes, of n_layers otherwise) are routed in "
+          "one pass for all its sublayers (with impl pallas: the fused K-query kernel); 0 (default): one pass per "
+          "sublayer (which is faster where routers read few sources, see docs/explanations/performance.md)"),
     Field("residual.scan_segments", 1, int, POSITIVE, "the store-once layer scan (scanned layers, remat) as at most "
           "this many scans of consecutive layers (block modes: whole blocks), each router reading only the source "
           "slots its segment can have written (docs/explanations/performance.md: fewer bytes, more compiled bodies); 1 "
@@ -206,9 +206,11 @@ def validate_model_config(cfg) -> None:
     for field in ("gate", "null_source"):
         if res[field] and res.mode not in ADDITIVE_MODES:
             _fail(prefix, f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
-    if res.impl != "xla" and res.null_source and not (res.group_layers > 0 and cfg.scan_layers and cfg.remat != "none"):
+    two_phase = res.group_layers > 0 and (not cfg.scan_layers or cfg.remat != "none")  # deltares.nn.residual.two_phase
+    if res.impl != "xla" and res.null_source and not two_phase:
         _fail(prefix, "residual.impl", res.impl, "no null source in the Pallas kernel (two-phase routing, "
-              "residual.group_layers > 0 with scanned layers and remat, merges it in XLA); use 'xla'")
+              "residual.group_layers > 0 with unrolled layers or with scanned layers and remat, merges it in XLA); "
+              "use 'xla'")
     if res.block_layers > cfg.n_layers:
         _fail(prefix, "residual.block_layers", res.block_layers, f"must be an integer in [1, n_layers={cfg.n_layers}]")
 

@@ -139,8 +139,16 @@ def group_window(plan: ResidualPlan, state: DepthState, first_layer):
 
 def _intra_sources(plan: ResidualPlan, state: DepthState, j, prefix: Prefix, eps: float):
     """Sublayer j's sources written inside its group (two-phase routing): (sources, 1/rms, valid).
-    Block modes: the partial, read from the stream; per-sublayer modes: the group's window
-    (from `prefix`, else the state), valid up to j's own slot."""
+    Listed sources (unrolled layers): the slots themselves, or where j reads none (it opens its
+    group or block) the stream as one invalid source, which the merge's softmax weighs 0. Scanned,
+    block modes: the partial, read from the stream; per-sublayer modes: the group's window (from
+    `prefix`, else the state), valid up to j's own slot."""
+    if _check_listed(state, j):
+        slots = plan.intra_read[j].nonzero()[0]
+        if not len(slots):
+            return (state.h_BTD,), (jnp.ones_like(state.inv_rms_SBT[0]),), np.zeros(1, bool)
+        return (tuple(state.sources_SBTD[s] for s in slots), tuple(state.inv_rms_SBT[s] for s in slots),
+                np.ones(len(slots), bool))
     if plan.mode in BLOCK_MODES:
         p_BTD, p_inv_BT = _block_partial(state, state.sources_SBTD.dtype, eps)
         return p_BTD[None], p_inv_BT[None], jnp.asarray(plan.intra_read.any(axis=1))[j][None]
@@ -162,12 +170,10 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
 
     A null source is one more source: with it every sublayer routes. `eps` is the norm's epsilon
     of the cached 1/rms; `final`: the state holds the final buffer (`routing_sources`).
-    `prefix` (two-phase routing, a scanned buffer): the routing over the slots before j's group,
+    `prefix` (two-phase routing): the routing over the slots before j's group,
     merged with j's intra-group sources; the weights then cover those sources only."""
     if not plan.uses_sources:
         return state.h_BTD, None, jnp.asarray(False)
-    if _check_listed(state, j) and prefix is not None:
-        raise TypeError("two-phase routing (prefix) reads a scanned source buffer, not a tuple of sources")
     routed = row(plan.routed | null_source, j, state.segment)
     residual = None if plan.replaces_stream else state.h_BTD
     if prefix is not None:
@@ -549,11 +555,28 @@ def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: Residua
                   impl: str, interpret: bool, eps: float):
     """Phase one for the n layers from `first_layer`: their 2n queries over the slots completed
     before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
+    return _phase_one(queries_fn, params_G, sources_SBTD, inv_rms_SBT, _group_sources(plan, first_layer, n),
+                      impl=impl, interpret=interpret, eps=eps)
+
+
+def listed_group_prefix(queries_fn, params_G, state: DepthState, plan: ResidualPlan, first_layer: int, n: int, *,
+                        impl: str = "xla", interpret: bool = False, eps: float = routing.NORM_EPS):
+    """`_group_prefix` on listed sources (unrolled layers, `init_depth_state(listed=True)`): the
+    slots completed before the group, stacked once into a buffer of just those slots."""
+    valid_KS = plan.prefix_read[2 * first_layer: 2 * (first_layer + n)]
+    n_read = int(valid_KS.any(axis=0).nonzero()[0].max()) + 1
+    sources_SBTD = nn.with_logical_constraint(jnp.stack(state.sources_SBTD[:n_read]), SOURCES_AXES)
+    return _phase_one(queries_fn, params_G, sources_SBTD, jnp.stack(state.inv_rms_SBT[:n_read]),
+                      valid_KS[:, :n_read], impl=impl, interpret=interpret, eps=eps)
+
+
+def _phase_one(queries_fn, params_G, sources_SBTD, inv_rms_SBT, valid_KS, *, impl: str, interpret: bool, eps: float):
+    """The group's 2n queries (`queries_fn` of each layer's parameters) over `sources_SBTD`."""
     from deltares.nn.layers import route_prefix  # noqa: PLC0415 - layers imports the routing math only
 
     query_KD, gain_KD = _group_queries(queries_fn, params_G)
-    return route_prefix(sources_SBTD, inv_rms_SBT, _group_sources(plan, first_layer, n), query_KD, gain_KD,
-                        impl=impl, interpret=interpret, eps=eps)
+    return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, impl=impl, interpret=interpret,
+                        eps=eps)
 
 
 def _group_prefix_grad_into(queries_fn, params_G, sources_SBTD, plan: ResidualPlan, first_layer, n: int, out, lse,
@@ -726,4 +749,5 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
                                                         d_final.sources_SBTD.dtype)
 
 
-__all__ = ["DepthState", "Prefix", "add_delta", "depth_scan", "init_depth_state", "stack_output", "sublayer_input"]
+__all__ = ["DepthState", "Prefix", "add_delta", "depth_scan", "init_depth_state", "listed_group_prefix", "stack_output",
+           "sublayer_input"]

@@ -194,11 +194,12 @@ def plan_for(model_cfg) -> ResidualPlan:
 
 
 def two_phase(model_cfg) -> bool:
-    """Whether a `config.model` trains with two-phase grouped routing: the store-once depth pass
-    (routed, scanned layers, remat) with `residual.group_layers` > 0; phase one runs in
-    `residual.impl` (XLA or the fused K-query kernel), the merges in XLA."""
+    """Whether a `config.model` trains with two-phase grouped routing: a routed mode with
+    `residual.group_layers` > 0, its layers unrolled (plain autodiff, any remat) or scanned under
+    remat (the store-once depth pass); phase one runs in `residual.impl` (XLA or the fused K-query
+    kernel), the merges in XLA."""
     res = model_cfg.residual
-    return (res.mode != "baseline" and model_cfg.scan_layers and model_cfg.remat != "none"
+    return (res.mode != "baseline" and (not model_cfg.scan_layers or model_cfg.remat != "none")
             and res.group_layers > 0)
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from deltares.nn import routing as routing_math
 from deltares.nn.config import MODES, Mode
-from deltares.nn.depth import depth_scan, init_depth_state
+from deltares.nn.depth import Prefix, depth_scan, init_depth_state, listed_group_prefix
 from deltares.nn.layers import DepthRouter
 from deltares.nn.routed import STATS_COLLECTION, SUBLAYERS_PER_LAYER, DepthRouting, sublayer_stats, wants_stats
 
@@ -94,17 +94,31 @@ def stack_layers(parent: nn.Module, layer_cls, fields: tuple, routing: DepthRout
 
     Parameters: `layers` (stacked, `scan`) or `layers_0`, `layers_1`, ... (unrolled; each sublayer
     reads only the sources it needs). `remat` recomputes each layer in the backward pass (`policy`:
-    a jax.checkpoint policy); with it the routed modes differentiate depth with the store-once pass
-    (deltares.nn.depth.depth_scan; `queries_fn`, `impl`, `interpret`: its two-phase routing) unless
-    `store_once=False` (plain autodiff of the scan). `unroll`: the scans unrolled in the program.
+    a jax.checkpoint policy); with it the routed modes differentiate a scan with the store-once pass
+    (deltares.nn.depth.depth_scan) unless `store_once=False` (plain autodiff of the scan). `queries_fn`
+    (a layer's parameters -> its routers' queries and gains), `impl`, `interpret`: two-phase routing,
+    in the store-once pass or, unrolled, by plain autodiff (`listed_group_prefix` at each group's first
+    layer). `unroll`: the scans unrolled in the program.
     The one way deltares stacks layers: DepthStack and the Transformer both run it."""
     n_layers = routing.n_layers
     if not scan:
         layer = nn.remat(layer_cls, static_argnums=(2,), policy=policy) if remat else layer_cls
+        grouped = queries_fn is not None and routing.uses_routers and xs is None and not parent.is_initializing()
+        params = nn.meta.unbox(parent.variables["params"]) if grouped else None
+        G = routing.plan.group_layers
         outs = []
         for index in range(n_layers):
             xs_l = None if xs is None else jax.tree.map(lambda a, index=index: a[index], xs)
-            state, out = layer(*fields, name=f"layers_{index}")(state, index, xs_l, *args)
+            kwargs = {}
+            if grouped:  # two-phase: the group's queries over the slots before it, once, at its first layer
+                first, i = index - index % G, index % G
+                if i == 0:
+                    n = min(G, n_layers - first)
+                    params_G = jax.tree.map(lambda *a: jnp.stack(a), *(params[f"layers_{k}"] for k in range(first, first + n)))
+                    out_KBTD, lse_KBT = listed_group_prefix(queries_fn, params_G, state, routing.plan, first, n,
+                                                            impl=impl, interpret=interpret, eps=routing.epsilon)
+                kwargs["prefix"] = Prefix(out_KBTD[2 * i: 2 * i + 2], lse_KBT[2 * i: 2 * i + 2])
+            state, out = layer(*fields, name=f"layers_{index}")(state, index, xs_l, *args, **kwargs)
             outs.append(out)
         return state, jax.tree.map(lambda *a: jnp.stack(a), *outs)
     if remat and store_once and routing.uses_routers and xs is None and not parent.is_initializing():

@@ -98,9 +98,15 @@ def slot_reads(plan, grouped: bool = False, unrolled: bool = False) -> float:
     scan segment reads the segment's `n_read` slots (`ResidualPlan.segments`); with two-phase
     routing (`grouped`) every group reads all n_slots; unrolled layers (`scan_layers=False`, the
     sources held apart) read each router's own, up to its last (a layer counts the mean of its two
-    sublayers); 0 in baseline."""
+    sublayers), and with two-phase routing each group's phase one its stacked prefix once plus each
+    sublayer its own intra-group slots; 0 in baseline."""
     if not plan.uses_sources:
         return 0
+    if unrolled and grouped:
+        G = plan.group_layers
+        prefix = sum(int(plan.prefix_read[2 * f: 2 * (f + G)].any(axis=0).nonzero()[0].max()) + 1
+                     for f in range(0, plan.n_layers, G))
+        return prefix + float(plan.intra_read.sum()) / 2
     if unrolled:
         last_J = plan.read.shape[1] - plan.read[:, ::-1].argmax(axis=1)
         return float(last_J.sum()) / 2

@@ -11,6 +11,7 @@ import math
 
 import flax
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -512,6 +513,24 @@ def test_remat_does_not_change_values():
         np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5, atol=1e-7)
         for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["delta", "delta_block"])
+def test_remat_dots_keeps_each_routed_sublayer_input(mode, capsys):
+    """Unrolled layers under remat 'dots' save each routed sublayer's input (deltares.nn.depth.ROUTED_INPUT),
+    so the backward pass recomputes a sublayer from it instead of routing again over every source;
+    'full' saves none."""
+    from deltares.nn.residual import plan_for
+
+    toks = tokens(5, (B, T + 1))
+    for remat, want in (("dots", None), ("full", 0)):
+        cfg = debug_cfg(mode, remat=remat, loss_chunk=0)
+        model = Transformer(cfg)
+        params = flax.linen.meta.unbox(model.init(jax.random.PRNGKey(0), toks[:, :-1]))["params"]
+        jax.ad_checkpoint.print_saved_residuals(lambda p: lm_loss(model.apply({"params": p}, toks[:, :-1]),
+                                                                  toks[:, 1:]), params)
+        saved = capsys.readouterr().out.count(f"f32[{B},{T},{cfg.d_model}] named 'routed_input'")
+        assert saved == (int(plan_for(cfg).routed.sum()) if want is None else want), remat
 
 
 # ----------------------------------------------------------------------------- chunked loss

@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from deltares.nn import routing
 from deltares.nn.axes import SOURCES_AXES, STREAM_AXES
@@ -179,7 +180,7 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
     if prefix is not None:
         sources, inv, valid = _intra_sources(plan, state, j, prefix, eps)
         x_BTD, weights_SBT = router(sources, inv, valid, residual, prefix=(prefix.out_BTD, prefix.lse_BT))
-        return (x_BTD if residual is None else jnp.where(routed, x_BTD, state.h_BTD)), weights_SBT, routed
+        return _saveable((x_BTD if residual is None else jnp.where(routed, x_BTD, state.h_BTD)), routed), weights_SBT, routed
     sources, inv = routing_sources(plan, state, j, eps, final)
     if isinstance(j, int):  # unrolled (listed or not): only the slots up to the last one j reads
         n = int(plan.read[j].nonzero()[0].max()) + 1
@@ -191,7 +192,18 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     if residual is not None:  # single source: no routing, x = h
         x_BTD = _select(routed, x_BTD, state.h_BTD)
-    return x_BTD, weights_SBT, routed
+    return _saveable(x_BTD, routed), weights_SBT, routed
+
+
+ROUTED_INPUT = "routed_input"  # the name remat policies save a routed sublayer input by (config.REMAT_POLICIES)
+
+
+def _saveable(x_BTD, routed):
+    """A routed sublayer input named ROUTED_INPUT, so that remat `dots` keeps it: its backward pass
+    then recomputes the sublayer from x instead of routing again over every source."""
+    if isinstance(routed, (bool, np.bool_)) and not routed:
+        return x_BTD
+    return checkpoint_name(x_BTD, ROUTED_INPUT)
 
 
 def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = routing.NORM_EPS) -> DepthState:

@@ -2,14 +2,14 @@
 
 Delta Block defaults to 4 layers per block (7 blocks).
 
-Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the
-paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
---estimate`, 2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 431.8 ms per
-step at 37.51 GiB per chip against 467.3 ms at 18.26 GiB with remat `full`; nothing fits without
-remat. The routed modes run the store-once pass under either policy (it recomputes each layer in the
-backward pass), so `dots` and `full` are the same program there. `delta` and `full_attnres` route
-two-phase in groups of 4 layers (`residual.group_layers=4`), as at s533m and s1044m, where it was
-measured (not at this scale). On other hardware `deltares.aot --search` names the flags to add.
+Defaults: remat `dots`, the plain loss (`loss_chunk=0`) and unrolled layers (`scan_layers=False`), the
+fastest setting that fits the paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's
+estimate (`deltares.aot --estimate`, 2026-12-05, jax 0.12.0.1); nothing fits without remat. Unrolled,
+each router reads only its own sources: baseline 424.2 ms per step (27.62 GiB per chip; MaxText,
+same cost model: 464.2), `delta_block` 472.7 (1.114x; 30.05 GiB), `delta` 542.8 (1.280x), against
+431.8, 549.6 and 633.9 under one layer scan (`--config.model.scan_layers=True`). `delta` and
+`full_attnres` route two-phase in groups of 4 layers (`residual.group_layers=4`). On other hardware
+`deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/qwen3_0p6b.py:delta_block --workdir runs/qwen3_0p6b_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
@@ -20,7 +20,7 @@ block AttnRes 32.38, Delta Block 31.45.
 from deltares.training.experiment import PAPER_RECIPE, PER_SUBLAYER_GROUP_LAYERS, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=3072,
-             remat="dots", loss_chunk=0)  # measured defaults (docstring)
+             remat="dots", scan_layers=False, loss_chunk=0)  # measured defaults (docstring)
 
 
 def get_config(arg="delta_block"):

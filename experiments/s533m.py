@@ -2,14 +2,14 @@
 
 Delta Block defaults to 6 layers per block (4 blocks).
 
-Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the
-paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
---estimate`, 2026-12-03, jax 0.12.0.1): baseline keeps its matrix products' outputs, 345.9 ms per
-step at 34.29 GiB per chip against 369.6 ms at 17.80 GiB with remat `full`; nothing fits without
-remat. The routed modes run the store-once pass under either policy (it recomputes each layer in the
-backward pass), so `dots` and `full` are the same program there. `delta` and `full_attnres` route
-two-phase in groups of 4 layers (`residual.group_layers=4`): on one H200, `delta` 247.9 ms per step
-against 603.1 ungrouped. On other hardware `deltares.aot --search` names the flags to add.
+Defaults: remat `dots`, the plain loss (`loss_chunk=0`) and unrolled layers (`scan_layers=False`), the
+fastest setting that fits the paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's
+estimate (`deltares.aot --estimate`, 2026-12-05, jax 0.12.0.1); nothing fits without remat. Unrolled,
+each router reads only its own sources: baseline 339.5 ms per step (25.82 GiB per chip),
+`delta_block` 374.7 (1.104x; 27.78 GiB), `delta` 433.5 (1.277x), against 345.9, 440.5 and 566.3
+under one layer scan (`--config.model.scan_layers=True`). `delta` and `full_attnres` route two-phase
+in groups of 4 layers (`residual.group_layers=4`). On other hardware `deltares.aot --search` names
+the flags to add.
 
 Run: python -m deltares.train --config experiments/s533m.py:delta_block --workdir runs/s533m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)
@@ -25,7 +25,7 @@ Block-size ablation (the paper's Table 2):
 from deltares.training.experiment import PAPER_RECIPE, PER_SUBLAYER_GROUP_LAYERS, experiment
 
 MODEL = dict(vocab_size=151936, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=8, head_dim=64, d_ff=4096,
-             remat="dots", loss_chunk=0)  # measured defaults (docstring)
+             remat="dots", scan_layers=False, loss_chunk=0)  # measured defaults (docstring)
 
 ABLATION_BLOCK_LAYERS = (2, 6, 12, 24)
 

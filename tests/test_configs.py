@@ -105,29 +105,29 @@ GROUPED_SCALES = ("s533m", "s1044m", "qwen3_0p6b")  # the remat scales measured 
 
 @pytest.mark.parametrize("scale", SCALES)
 def test_per_sublayer_modes_route_two_phase_at_the_remat_scales(scale):
-    """`delta` and `full_attnres` default to two-phase groups of 4 layers at s533m, s1044m and
-    qwen3_0p6b, and train two-phase there; the block modes, baseline and the other scales do not;
-    the command line can still turn it off."""
+    """`delta` and `full_attnres` default to two-phase groups (of 6 layers at s1044m, unrolled; of 4
+    at s533m and qwen3_0p6b) and train two-phase there; the block modes, baseline and the other
+    scales do not; the command line can still turn it off."""
     from deltares.nn.residual import two_phase
 
     for mode in MODES:
         model = load(scale).get_config(mode).model
         grouped = scale in GROUPED_SCALES and mode in ("delta", "full_attnres")
-        assert model.residual.group_layers == (4 if grouped else 0), (scale, mode)
+        assert model.residual.group_layers == ((6 if scale == "s1044m" else 4) if grouped else 0), (scale, mode)
         assert two_phase(model) == grouped, (scale, mode)
     if scale in GROUPED_SCALES:
         cfg = parse_flags(f"--config={ROOT}/experiments/{scale}.py:delta", "--config.model.residual.group_layers=0")
         assert cfg.model.residual.group_layers == 0
 
 
-def test_measured_scales_unroll_their_layers_but_keep_the_scan_for_two_phase_groups():
-    """s220m and s1044m unroll their layers, where each router reads only its own sources (faster by
-    the TPU estimate, experiments' docstrings); s1044m's per-sublayer modes keep the layer scan that
-    their two-phase groups run in."""
-    for mode in MODES:
-        assert load("s220m").get_config(mode).model.scan_layers is False, mode
-        assert load("s1044m").get_config(mode).model.scan_layers == (mode in ("delta", "full_attnres")), mode
-    assert load("s533m").get_config("delta_block").model.scan_layers is True
+def test_measured_scales_unroll_their_layers():
+    """The paper's scales up to 1044M and qwen3_0p6b unroll their layers in every mode, two-phase
+    groups included: each router reads only its own sources (faster by the TPU estimate,
+    experiments' docstrings); 7.6B keeps the scan (its store-once pass fits the memory goals)."""
+    for scale in ("s220m", "s533m", "s1044m", "qwen3_0p6b", "finetune_qwen3_0p6b"):
+        for mode in MODES:
+            assert load(scale).get_config(mode).model.scan_layers is False, (scale, mode)
+    assert load("s7b6").get_config("delta").model.scan_layers is True
 
 
 def test_variant_sets_block_layers():

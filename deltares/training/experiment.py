@@ -178,15 +178,11 @@ def experiment(
     """The experiment config of one scale: `config.model` from `model` and the variant in `arg`,
     training fields from `base_config` updated by `recipe` ({'data': {...}, 'train': {...}, ...}).
     `group_layers`: the default `residual.group_layers` of the per-sublayer modes (`delta`,
-    `full_attnres`), which then keep the layer scan that two-phase routing runs in even where
-    `model` unrolls the layers (`scan_layers=False`); the block modes and baseline keep 0."""
+    `full_attnres`); the block modes and baseline keep 0."""
     variant = parse_variant(arg)
     residual = {"block_layers": block_layers}  # fields the variant leaves out: the schema's defaults
-    model = dict(model)
     if variant["mode"] not in BLOCK_MODES + ("baseline",):
         residual["group_layers"] = group_layers
-        if group_layers:
-            model["scan_layers"] = True
     residual.update(variant)
     cfg = base_config()
     cfg.scale = scale

@@ -253,6 +253,7 @@ def test_grouped_depth_pass_equals_ungrouped(mode, n_layers, block_layers, group
 
 @pytest.mark.parametrize("mode, n_layers, block_layers, group_layers, residual, remat", [
     ("delta", 4, 1, 2, {}, "none"),
+    ("delta", 4, 1, 2, dict(impl="pallas", interpret=True), "none"),  # phase one the fused kernel
     ("delta", 5, 1, 4, dict(gate=True, null_source=True), "full"),  # 5 layers: groups of 1 (the divisor)
     ("delta", 6, 1, 4, {}, "dots"),  # groups of 3
     ("full_attnres", 4, 1, 4, {}, "none"),

@@ -515,22 +515,24 @@ def test_remat_does_not_change_values():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["delta", "delta_block"])
-def test_remat_dots_keeps_each_routed_sublayer_input(mode, capsys):
-    """Unrolled layers under remat 'dots' save each routed sublayer's input (deltares.nn.depth.ROUTED_INPUT),
-    so the backward pass recomputes a sublayer from it instead of routing again over every source;
-    'full' saves none."""
+@pytest.mark.parametrize("mode, group_layers", [("delta", 2), ("delta_block", 2), ("delta_block", 0)])
+def test_remat_dots_keeps_each_two_phase_sublayer_input(mode, group_layers, capsys):
+    """Unrolled two-phase layers under remat 'dots' save each routed sublayer's input
+    (deltares.nn.depth.ROUTED_INPUT), so the backward pass recomputes a sublayer from it instead of
+    merging again over its group-mates' sources; 'full' saves none, nor does one pass per sublayer."""
     from deltares.nn.residual import plan_for
 
     toks = tokens(5, (B, T + 1))
-    for remat, want in (("dots", None), ("full", 0)):
-        cfg = debug_cfg(mode, remat=remat, loss_chunk=0)
+    for remat in ("dots", "full"):
+        cfg = debug_cfg(mode, remat=remat, loss_chunk=0, residual=(("group_layers", group_layers),))
         model = Transformer(cfg)
         params = flax.linen.meta.unbox(model.init(jax.random.PRNGKey(0), toks[:, :-1]))["params"]
         jax.ad_checkpoint.print_saved_residuals(lambda p: lm_loss(model.apply({"params": p}, toks[:, :-1]),
                                                                   toks[:, 1:]), params)
         saved = capsys.readouterr().out.count(f"f32[{B},{T},{cfg.d_model}] named 'routed_input'")
-        assert saved == (int(plan_for(cfg).routed.sum()) if want is None else want), remat
+        want = int(plan_for(cfg).routed.sum()) if remat == "dots" and group_layers else 0
+        assert want > 0 or not group_layers or remat == "full"
+        assert saved == want, remat
 
 
 # ----------------------------------------------------------------------------- chunked loss

@@ -28,8 +28,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    # matrix products without batch dimensions, and routed sublayer inputs (deltares.nn.depth.ROUTED_INPUT); scanned
-    # routed modes: as "full" (the store-once pass)
+    # matrix products without batch dimensions, and two-phase sublayer inputs (deltares.nn.depth.ROUTED_INPUT);
+    # scanned routed modes: as "full" (the store-once pass)
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("routed_input")),
@@ -67,7 +67,7 @@ MODEL_FIELDS = (
     Field("scan_unroll", False, bool, None, "unroll every layer scan in the compiled program (same math; the "
           "TPU compiler's step-time estimate counts a loop body once, so `deltares.aot` estimates with it)"),
     Field("remat", "none", str, tuple(REMAT_POLICIES), "per-layer rematerialisation: none, full (save nothing), "
-          "dots (save matmuls without batch dimensions and each routed sublayer's input; with scanned layers the "
+          "dots (save matmuls without batch dimensions and each two-phase sublayer's input; with scanned layers the "
           "routed modes' store-once pass recomputes each sublayer under any policy, so there it is the same as full)"),
     Field("attention", "auto", str, ATTENTION_IMPLS, "causal self-attention: auto (cudnn on NVIDIA GPUs in bfloat16 "
           "or float16 with a head width of at most 128, else xla), xla (every platform), cudnn (cuDNN's "

@@ -192,15 +192,17 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     if residual is not None:  # single source: no routing, x = h
         x_BTD = _select(routed, x_BTD, state.h_BTD)
-    return _saveable(x_BTD, routed), weights_SBT, routed
+    return x_BTD, weights_SBT, routed
 
 
-ROUTED_INPUT = "routed_input"  # the name remat policies save a routed sublayer input by (config.REMAT_POLICIES)
+ROUTED_INPUT = "routed_input"  # the name remat policies save a two-phase sublayer input by (config.REMAT_POLICIES)
 
 
 def _saveable(x_BTD, routed):
-    """A routed sublayer input named ROUTED_INPUT, so that remat `dots` keeps it: its backward pass
-    then recomputes the sublayer from x instead of routing again over every source."""
+    """A two-phase sublayer input named ROUTED_INPUT, so that remat `dots` keeps it: its backward pass
+    then recomputes the sublayer from x instead of merging again over its group-mates' sources. (One
+    pass per sublayer reads few sources where it is the default, the block modes: keeping their inputs
+    cost memory and a little time by the TPU estimate.)"""
     if isinstance(routed, (bool, np.bool_)) and not routed:
         return x_BTD
     return checkpoint_name(x_BTD, ROUTED_INPUT)

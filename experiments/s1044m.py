@@ -2,16 +2,15 @@
 
 Delta Block defaults to 6 layers per block (6 blocks).
 
-Defaults: remat `dots` and the plain loss (`loss_chunk=0`), the fastest setting that fits the
-paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's estimate (`deltares.aot
---estimate`, jax 0.12.0.1); nothing fits without remat. Baseline and the block modes unroll their
-layers (`scan_layers=False`), where each router reads only its own sources and each source's
-cotangent is summed on its own (2026-12-05): baseline 632.1 ms per step, `delta_block` 686.1
-(1.085x) at 37.37 GiB per chip, against 820.3 ms under one layer scan (the store-once pass,
-which recomputes every layer whatever the policy). `delta` and `full_attnres` keep the scan and
-route two-phase in groups of 4 layers (`residual.group_layers=4`): `delta` 897.3 ms (2026-12-04)
-against 932.9 unrolled and 1408.9 scanned ungrouped; on one H200 512.3 ms per step against 1397.6
-ungrouped. On other hardware `deltares.aot --search` names the flags to add.
+Defaults: remat `dots`, the plain loss (`loss_chunk=0`) and unrolled layers (`scan_layers=False`), the
+fastest setting that fits the paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's
+estimate (`deltares.aot --estimate`, 2026-12-05, jax 0.12.0.1); nothing fits without remat. Unrolled,
+each router reads only its own sources and each source's cotangent is summed on its own: baseline
+632.1 ms per step (34.88 GiB per chip), `delta_block` 686.1 (1.085x; 37.37 GiB). `delta` and `full_attnres`
+route two-phase in groups of 6 layers (`residual.group_layers=6`): `delta` 797.3 ms (1.261x) at
+66.43 GiB, `full_attnres` 802.2. Under one layer scan (`--config.model.scan_layers=True`, and for
+`delta` and `full_attnres` `--config.model.residual.group_layers=4`): baseline 628.5, `delta_block`
+820.3, `delta` 897.3 at 26.75 GiB, `full_attnres` 914.5. On other hardware `deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/s1044m.py:delta_block --workdir runs/s1044m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)

@@ -73,12 +73,17 @@ def test_conversion_is_exact_and_routing_learns(mode):
     base_cfg, base_params = hf.from_hf(TINY, dtype="float32", scan_layers=False)
     np.testing.assert_allclose(logits_of(cfg, params, tokens), logits_of(base_cfg, base_params, tokens), rtol=0, atol=1e-6)
 
-    # The gate learns at step 1 (its gradient is the routed term), the pseudo-query at step 2
-    # (once the gate is open), the key-norm gain at step 3 (its gradient is proportional to w).
+    # The gate learns first (its gradient is the routed term), the pseudo-query one step later (once
+    # the gate is open), the key-norm gain one step after that (its gradient is proportional to w).
+    # At step 1 the zero queries weigh the sources uniformly, and the sources sum to the stream, so
+    # the routed term is parallel to the stream: through the pre-norm the gate's gradient is then
+    # only the norm epsilon's effect, ~1e-8, which rounding may leave at exactly 0 for a sublayer
+    # (the last one, on some CPUs and XLA optimisation levels). Adam moves the gate at step 1
+    # wherever that gradient is not 0; where it is, the chain starts at step 2.
     tx = optax.adam(1e-2)
     opt_state = tx.init(params)
     grad_fn, first_step = _grad_fn(cfg), {}
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         _, grads, routing = _routing_grads(grad_fn, params, tokens)
         for name, size in routing.items():
             if size > 0:
@@ -86,8 +91,13 @@ def test_conversion_is_exact_and_routing_learns(mode):
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     routed = [n for n in routing if "layers_0']['attn_router" not in n]  # sublayer 0 has one source: never routes
-    want_step = {"gate": 1, "query": 2, "gain": 3}
-    assert {n: first_step.get(n) for n in routed} == {n: want_step[n.split("'")[-2]] for n in routed}
+    by_router = {}
+    for n in routed:
+        by_router.setdefault(n.rsplit("[", 1)[0], {})[n.split("'")[-2]] = first_step.get(n)
+    for router, steps in by_router.items():
+        assert steps["gate"] in (1, 2), (router, steps)
+        assert steps == {"gate": steps["gate"], "query": steps["gate"] + 1, "gain": steps["gate"] + 2}, (router, steps)
+    assert sum(steps["gate"] == 1 for steps in by_router.values()) >= len(by_router) - 1  # at most the last waits
 
 
 def test_null_source_variant_is_the_papers_approximate_identity():

@@ -569,26 +569,27 @@ def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: Residua
                   impl: str, interpret: bool, eps: float):
     """Phase one for the n layers from `first_layer`: their 2n queries over the slots completed
     before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
-    return _phase_one(queries_fn, params_G, sources_SBTD, inv_rms_SBT, _group_sources(plan, first_layer, n),
+    return _phase_one(sources_SBTD, inv_rms_SBT, _group_sources(plan, first_layer, n),
+                      *_group_queries(queries_fn, params_G), impl=impl, interpret=interpret, eps=eps)
+
+
+def listed_group_prefix(queries_fn, params_layers, state: DepthState, plan: ResidualPlan, first_layer: int, n: int,
+                        *, impl: str = "xla", interpret: bool = False, eps: float = routing.NORM_EPS):
+    """`_group_prefix` on listed sources (unrolled layers, `init_depth_state(listed=True)`), the n
+    layers' parameters `params_layers` apart: the slots completed before the group, stacked once
+    into a buffer of just those slots."""
+    valid_KS = plan.group_prefix_read(first_layer, n)
+    n_read = valid_KS.shape[1]
+    sources_SBTD = nn.with_logical_constraint(jnp.stack(state.sources_SBTD[:n_read]), SOURCES_AXES)
+    query_KD, gain_KD = (jnp.concatenate(q) for q in zip(*map(queries_fn, params_layers)))
+    return _phase_one(sources_SBTD, jnp.stack(state.inv_rms_SBT[:n_read]), valid_KS, query_KD, gain_KD,
                       impl=impl, interpret=interpret, eps=eps)
 
 
-def listed_group_prefix(queries_fn, params_G, state: DepthState, plan: ResidualPlan, first_layer: int, n: int, *,
-                        impl: str = "xla", interpret: bool = False, eps: float = routing.NORM_EPS):
-    """`_group_prefix` on listed sources (unrolled layers, `init_depth_state(listed=True)`): the
-    slots completed before the group, stacked once into a buffer of just those slots."""
-    valid_KS = plan.prefix_read[2 * first_layer: 2 * (first_layer + n)]
-    n_read = int(valid_KS.any(axis=0).nonzero()[0].max()) + 1
-    sources_SBTD = nn.with_logical_constraint(jnp.stack(state.sources_SBTD[:n_read]), SOURCES_AXES)
-    return _phase_one(queries_fn, params_G, sources_SBTD, jnp.stack(state.inv_rms_SBT[:n_read]),
-                      valid_KS[:, :n_read], impl=impl, interpret=interpret, eps=eps)
-
-
-def _phase_one(queries_fn, params_G, sources_SBTD, inv_rms_SBT, valid_KS, *, impl: str, interpret: bool, eps: float):
-    """The group's 2n queries (`queries_fn` of each layer's parameters) over `sources_SBTD`."""
+def _phase_one(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl: str, interpret: bool, eps: float):
+    """The group's 2n queries over `sources_SBTD` (`deltares.nn.layers.route_prefix`)."""
     from deltares.nn.layers import route_prefix  # noqa: PLC0415 - layers imports the routing math only
 
-    query_KD, gain_KD = _group_queries(queries_fn, params_G)
     return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, impl=impl, interpret=interpret,
                         eps=eps)
 

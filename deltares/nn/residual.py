@@ -95,6 +95,12 @@ class ResidualPlan:
         first_slot = self.write[(np.arange(2 * self.n_layers) // (2 * self.group_layers)) * 2 * self.group_layers]
         return self.read & (np.arange(self.n_slots)[None, :] < first_slot[:, None])
 
+    def group_prefix_read(self, first_layer: int, n: int) -> np.ndarray:
+        """`prefix_read` of the 2n sublayers of the group of n layers from `first_layer`, up to the
+        last slot any of them reads: [2n, slots before the group that phase one reads]."""
+        rows = self.prefix_read[2 * first_layer: 2 * (first_layer + n)]
+        return rows[:, : int(rows.any(axis=0).nonzero()[0].max()) + 1]
+
     @property
     def intra_read(self) -> np.ndarray:
         """[2L, n_slots] the slots of `read` written inside sublayer j's group (block modes: the

@@ -114,9 +114,9 @@ def stack_layers(parent: nn.Module, layer_cls, fields: tuple, routing: DepthRout
                 first, i = index - index % G, index % G
                 if i == 0:
                     n = min(G, n_layers - first)
-                    params_G = jax.tree.map(lambda *a: jnp.stack(a), *(params[f"layers_{k}"] for k in range(first, first + n)))
-                    out_KBTD, lse_KBT = listed_group_prefix(queries_fn, params_G, state, routing.plan, first, n,
-                                                            impl=impl, interpret=interpret, eps=routing.epsilon)
+                    out_KBTD, lse_KBT = listed_group_prefix(
+                        queries_fn, [params[f"layers_{k}"] for k in range(first, first + n)], state, routing.plan,
+                        first, n, impl=impl, interpret=interpret, eps=routing.epsilon)
                 kwargs["prefix"] = Prefix(out_KBTD[2 * i: 2 * i + 2], lse_KBT[2 * i: 2 * i + 2])
             state, out = layer(*fields, name=f"layers_{index}")(state, index, xs_l, *args, **kwargs)
             outs.append(out)

@@ -104,8 +104,7 @@ def slot_reads(plan, grouped: bool = False, unrolled: bool = False) -> float:
         return 0
     if unrolled and grouped:
         G = plan.group_layers
-        prefix = sum(int(plan.prefix_read[2 * f: 2 * (f + G)].any(axis=0).nonzero()[0].max()) + 1
-                     for f in range(0, plan.n_layers, G))
+        prefix = sum(plan.group_prefix_read(f, min(G, plan.n_layers - f)).shape[1] for f in range(0, plan.n_layers, G))
         return prefix + float(plan.intra_read.sum()) / 2
     if unrolled:
         last_J = plan.read.shape[1] - plan.read[:, ::-1].argmax(axis=1)

@@ -4,8 +4,8 @@ Delta Block defaults to 2 layers per block (3 blocks). Layers are unrolled: at t
 compile time is small and XLA's CPU backend runs the unrolled stack faster.
 
 Run: python -m deltares.train --config experiments/tiny.py:delta_block --workdir runs/demo
-     (the README's demo: 300 steps on the built-in Moby-Dick, about 3.5 minutes on 2 CPU cores,
-     ending near validation perplexity 315 against a unigram perplexity of 805)
+     (the README's demo: 300 steps on the built-in Moby-Dick, about 5 minutes on 2 CPU cores,
+     ending near validation perplexity 300 against a unigram perplexity of 805)
 Bench: python -m deltares.bench --config experiments/tiny.py  (train step of every mode, vs baseline)
 Paper: no counterpart; the smallest paper scale is 220M (experiments/s220m.py).
 """

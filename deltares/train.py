@@ -502,6 +502,7 @@ class _TrainLoop:
             if self.single or boundary or save_now:
                 self.check_storage()
             if boundary or save_now:
+                jax.block_until_ready(out)  # the window ends when its steps have run, not when they were dispatched
                 self.log(step, batch, (time.perf_counter() - window_start) / timed if timed else math.nan, save_now)
             if save_now:
                 self.save(step)

@@ -87,6 +87,23 @@ def test_debug_run_on_builtin_corpus_learns_and_logs(tmp_path):
     assert math.isfinite(result["unigram_ppl"]) and 1 < result["unigram_ppl"] < 257
 
 
+def test_logged_throughput_is_the_rate_around_the_loop(builtin_dataset, tmp_path):
+    """`tokens_per_s` (and so `step_time_s` and `mfu`) is timed when the window's steps have run, not
+    when they were dispatched: within 1.5x of the rate between two records' writes (it was 400x off)."""
+    from throughput import measure
+
+    cfg = config_with(builtin_dataset, global_batch=16, steps=41, log_every=10, eval_every=41, checkpoint_every=41,
+                      stats_every=0)
+    rows = measure(cfg, str(tmp_path))
+    assert [r["step"] for r in rows] == [20, 30, 40], rows  # the windows after step 10, 20, 30 (none before the first)
+    for r in rows:
+        assert 0.98 <= r["ratio"] <= 1.5, rows
+    records = {r["step"]: r for r in read_metrics(str(tmp_path))}
+    for r in rows:
+        rec = records[r["step"]]
+        assert rec["step_time_s"] == pytest.approx(16 * SEQ / rec["tokens_per_s"])
+
+
 # ----------------------------------------------------------------------------- 2. determinism
 
 

@@ -57,6 +57,7 @@ from absl import flags
 from deltares.analyze import AnalysisError
 from deltares.training.metrics import read_metrics
 from deltares.training.checkpoint import load_checkpoint
+from deltares.training.experiment import flat_fields
 
 # The paper's column order and names (PAPER_RESULTS.md, first table).
 PAPER_COLUMNS = {
@@ -216,23 +217,13 @@ IGNORED_FIELDS = (
 ROUTING_FIELDS = ("model.residual.", "optim.routing_lr")
 
 
-def _flat(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def _matches(field: str, prefixes) -> bool:
     return any(field == p or (p.endswith(".") and field.startswith(p)) for p in prefixes)
 
 
 def compared_fields(config: dict) -> dict:
     """The flattened config (`model.n_layers`: 6, ...) without IGNORED_FIELDS: what a group's runs share."""
-    return {k: v for k, v in _flat(config).items() if not _matches(k, IGNORED_FIELDS)}
+    return {k: v for k, v in flat_fields(config).items() if not _matches(k, IGNORED_FIELDS)}
 
 
 def _key(fields: dict, drop=()) -> str:

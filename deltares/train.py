@@ -38,7 +38,7 @@ from deltares.data.run_data import RunData, open_run_data, unigram_perplexity
 from deltares.interop import hf
 from deltares.nn.attention import check_attention
 from deltares.nn.stack import with_layer_layout
-from deltares.training.experiment import validate_config
+from deltares.training.experiment import flat_fields, validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.scoring import evaluate
 from deltares.training.memory import PeakMemory
@@ -173,6 +173,17 @@ def _check_resumable(saved: dict, saved_data: dict | None, cfg, data, workdir: s
         )
     if diffs:
         say(f"warning: resuming {workdir} despite config differences in {', '.join(diffs)} (config.force)")
+    if changed := changed_settings(saved, current):
+        say(f"warning: resuming {workdir} with settings other than its checkpoint's: {'; '.join(changed)}")
+
+
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """`config.<field> <saved> -> <now>` for every field outside RESUME_KEYS that differs between a
+    checkpoint's config and the resumed run's (those of RESUME_KEYS are refused, not listed)."""
+    before, now = flat_fields(saved), flat_fields(current)
+    resume_keys = tuple(k + "." for k in RESUME_KEYS)
+    return [f"config.{key} {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(before.keys() | now.keys())
+            if before.get(key) != now.get(key) and key not in RESUME_KEYS and not key.startswith(resume_keys)]
 
 
 def _init_from_hf(path: str, model_cfg):

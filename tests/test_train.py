@@ -399,6 +399,25 @@ def test_force_resumes_a_restorable_checkpoint(finished_copy, builtin_dataset, c
     assert checkpoint_steps(workdir) == [24, 28, 30]
 
 
+def test_resume_names_every_changed_setting(finished_copy, builtin_dataset, capsys):
+    """Settings that keep it the same run (learning rate, weight decay, warm-up, document masks, the
+    length) may change on resume, and each is said; the same config resumes without a word."""
+    workdir, _ = finished_copy
+    cfg = config_with(builtin_dataset, **RESUME_OVERRIDES)
+    train(cfg, workdir)
+    assert "warning" not in capsys.readouterr().err
+    cfg.optim.update(lr=1e-3, weight_decay=0.05, warmup_steps=3)
+    cfg.data.document_mask = True
+    cfg.train.steps = STEPS + 2
+    train(cfg, workdir)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(lines) == 1 and "settings other than its checkpoint's" in lines[0], lines
+    for said in ("config.optim.lr 0.003 -> 0.001", "config.optim.weight_decay 0.1 -> 0.05",
+                 "config.optim.warmup_steps 5 -> 3", "config.data.document_mask False -> True",
+                 f"config.train.steps {STEPS} -> {STEPS + 2}"):
+        assert said in lines[0], lines[0]
+
+
 def test_force_with_unrestorable_checkpoint_is_a_clean_error(finished_copy, builtin_dataset):
     workdir, digest = finished_copy
     proc = run(train_cmd(workdir, f"--config.data.dataset={builtin_dataset}", "--config.model.d_model=48",

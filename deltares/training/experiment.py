@@ -141,6 +141,17 @@ def with_schema_defaults(saved: dict) -> dict:
     return out
 
 
+def flat_fields(config: dict, prefix: str = "") -> dict:
+    """A config as a plain dict flattened to dotted fields ({"model.n_layers": 6, ...})."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat_fields(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 def field_names() -> list[str]:
     """Every field of an experiment config, dotted from `config.` (`config.train.steps`, ...)."""
     return [f"config.{f.name}" for f in BASE_FIELDS] + [f"config.model.{f.name}" for f in MODEL_FIELDS]

@@ -58,6 +58,7 @@ from deltares.analyze import AnalysisError
 from deltares.training.metrics import read_metrics
 from deltares.training.checkpoint import load_checkpoint
 from deltares.training.experiment import flat_fields
+from deltares.training.workdir import WorkdirLock
 
 # The paper's column order and names (PAPER_RESULTS.md, first table).
 PAPER_COLUMNS = {
@@ -118,8 +119,17 @@ def _load_run(path: str) -> tuple[dict, dict]:
         routing_lr=(cfg.get("optim") or {}).get("routing_lr"),
         seed=cfg["seed"],
         train_steps=train["steps"],
+        running=still_written(ckpt.workdir),
     )
     return summary, cfg
+
+
+def still_written(workdir: str) -> str | None:
+    """The trainer still writing `workdir` (its lock's live holder), or None for a run that is not running."""
+    try:
+        return WorkdirLock(workdir).live_holder()
+    except OSError:
+        return None
 
 
 def dataset_name(path):
@@ -195,7 +205,7 @@ def run_table(summaries: list[dict]) -> list[str]:
     for s in summaries:
         val = _num(s["val_ppl"], ".2f") + ("" if s["val_step"] in (None, s["step"]) else f" (step {s['val_step']})")
         lines.append(
-            f"| {s['run']} | {mode_label(s)} | {scale_label(s)} | {s['step']} | {_tokens(s['tokens_seen'])} | {val} | "
+            f"| {s['run']}{' (running)' if s.get('running') else ''} | {mode_label(s)} | {scale_label(s)} | {s['step']} | {_tokens(s['tokens_seen'])} | {val} | "
             f"{_num(s['val_bpb'], '.4f')} | {_num(s['tokens_per_s'], ',.0f')} | {_bytes(s['peak_bytes'])} |"
         )
     return lines
@@ -329,7 +339,10 @@ def _group(name: str, members: list, excluded: list) -> dict:
     """Group `name`'s report over its complete runs; the others are appended to `excluded` with the reason."""
     done = []
     for summary, _ in members:
-        if summary["val_step"] is None or summary["val_step"] != summary["train_steps"]:
+        if summary["running"]:
+            excluded.append(dict(run=summary["run"], workdir=summary["workdir"], group=name,
+                                 reason=f"still being written ({summary['running']})"))
+        elif summary["val_step"] is None or summary["val_step"] != summary["train_steps"]:
             last = "no validation" if summary["val_step"] is None else f"last validation at step {summary['val_step']}"
             excluded.append(dict(run=summary["run"], workdir=summary["workdir"], group=name,
                                  reason=f"{last}, config.train.steps={summary['train_steps']}"))
@@ -528,9 +541,13 @@ def plot_depth(report: dict, path: str) -> list[dict]:
 
 
 def compare(paths: list[str]) -> str:
-    if not paths:
+    return compare_summaries([run_summary(p) for p in paths])
+
+
+def compare_summaries(summaries: list[dict]) -> str:
+    if not summaries:
         raise AnalysisError("no run given: python -m deltares.compare runs/*")
-    return markdown([run_summary(p) for p in paths])
+    return markdown(summaries)
 
 
 def main(argv):
@@ -547,7 +564,12 @@ def main(argv):
             if _DEPTH_FIGURE.value:
                 plot_depth(report, _DEPTH_FIGURE.value)
         else:
-            table = compare(expand_paths(argv[1:]))
+            summaries = [run_summary(p) for p in expand_paths(argv[1:])]
+            table = compare_summaries(summaries)
+            for s in summaries:
+                if s["running"]:
+                    print(f"warning: {s['run']} is still being written ({s['running']}): its figures are of step "
+                          f"{s['step']}, marked (running)", file=sys.stderr)
     except (AnalysisError, FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
     print(table)

@@ -295,3 +295,28 @@ def test_real_debug_runs(tmp_path):
     ppl = [json.loads(open(os.path.join(w, "metrics.jsonl")).read().splitlines()[-1])["val_ppl"] for w in workdirs]
     assert ppl[0] != ppl[1]  # the seed changed the run
     assert g["val_ppl"]["mean"] == pytest.approx(np.mean(ppl)) and g["val_ppl"]["std"] == pytest.approx(np.std(ppl, ddof=1))
+
+
+def test_a_run_still_being_written_is_marked_and_left_out_of_its_group(tmp_path):
+    """A run whose lock names a live trainer is marked (running) in the table, said on stderr, and left
+    out of its group's mean; once its trainer is gone (a stale lock) it counts like any other."""
+    from deltares.training.workdir import WorkdirLock
+
+    root = str(tmp_path)
+    runs = [fake_run(root, f"delta_s{seed}", "delta", seed, 40.0 + seed) for seed in range(3)]
+    lock = WorkdirLock(runs[2], log=lambda message: None)
+    lock.acquire()  # this process is the live trainer of delta_s2
+    try:
+        assert "| delta_s2 (running) |" in compare(runs) and "| delta_s0 |" in compare(runs)
+        group = by_group(group_runs(runs))["delta"]
+        assert group["runs"] == ["delta_s0", "delta_s1"] and group["n"] == 2
+        proc = subprocess.run([sys.executable, "-m", "deltares.compare", *runs], cwd=ROOT, env=ENV, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0 and "| delta_s2 (running) |" in proc.stdout
+        assert f"warning: delta_s2 is still being written (process {os.getpid()} on" in proc.stderr
+    finally:
+        lock.release()
+    assert by_group(group_runs(runs))["delta"]["n"] == 3
+    with open(os.path.join(runs[2], "LOCK"), "w") as f:  # left by a trainer that died
+        json.dump({"host": __import__("socket").gethostname(), "pid": 2**22 + 7, "started": "then"}, f)
+    assert "(running)" not in compare(runs) and by_group(group_runs(runs))["delta"]["n"] == 3

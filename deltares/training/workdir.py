@@ -218,6 +218,14 @@ class WorkdirLock:
             except OSError:
                 pass  # a full disk or a bucket hiccup: the next beat tries again
 
+    def live_holder(self) -> str | None:
+        """Who holds the lock while that trainer may still run (`process N on HOST, started ...`), else None."""
+        holder = self._read()
+        if holder is None or self._stale(holder) is not None:
+            return None
+        return f"process {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder else (
+            "a trainer that is starting")
+
     def held(self) -> bool:
         """Whether the lock file still names this process (not taken over by another trainer)."""
         return self.record is not None and self._read() == self.record

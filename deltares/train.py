@@ -440,7 +440,8 @@ class _TrainLoop:
             raise TrainError(str(err)) from None
         self.writer = MetricsWriter(workdir, resume_step=self.start, tracker=tracker)
         self.profiler = Profiler(workdir, t.profile_steps, t.profile_all_processes)
-        self.records = _Records(cfg, run, training)
+        self.aside = _Aside()  # evaluations, routing statistics, peak memory and saves: not in the step time
+        self.records = _Records(cfg, run, training, self.aside)
         self.outputs = _Outputs(cfg.model.vocab_size, run.data.path)
         self.single = jax.process_count() == 1
         self.last_eval: dict = {}
@@ -464,7 +465,8 @@ class _TrainLoop:
     def save(self, step: int) -> None:
         ckpt = self.ckpt
         try:
-            ckpt.save(step, self.state, self.run_data.train.get_state(), self.config_record, self.dataset_record)
+            with self.aside:
+                ckpt.save(step, self.state, self.run_data.train.get_state(), self.config_record, self.dataset_record)
         except CheckpointError as err:
             self.stop_for_storage(str(err))
         except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
@@ -494,7 +496,9 @@ class _TrainLoop:
 
     def run(self) -> dict:
         t, start = self.cfg.train, self.start
-        step, timed, window_start = start, 0, time.perf_counter()  # throughput window, compilation excluded
+        # The throughput window: from the end of the last one (its logging counted, what `aside` timed not)
+        # to the moment its steps have run; the first step, which compiles, is not in any.
+        step, timed, window_start = start, 0, time.perf_counter()
         while step < t.steps:
             self.profiler.before(step + 1)
             batch = shard_batch(next(self.run_data.train), self.training.batch_sharding)
@@ -505,7 +509,7 @@ class _TrainLoop:
             self.profiler.after(step, out)
             if step == start + 1:
                 jax.block_until_ready(out)
-                timed, window_start = -1, time.perf_counter()
+                timed, window_start = -1, time.perf_counter() + self.aside.take()
             timed += 1
             stopping = self.stop.at(step)  # read once: a signal arriving later in this step is handled next step
             boundary = step % t.log_every == 0 or step == t.steps or stopping
@@ -514,11 +518,12 @@ class _TrainLoop:
                 self.check_storage()
             if boundary or save_now:
                 jax.block_until_ready(out)  # the window ends when its steps have run, not when they were dispatched
-                self.log(step, batch, (time.perf_counter() - window_start) / timed if timed else math.nan, save_now)
+                window_end = time.perf_counter()
+                self.log(step, batch, (window_end - window_start) / timed if timed else math.nan, save_now)
             if save_now:
                 self.save(step)
             if boundary or save_now:
-                timed, window_start = 0, time.perf_counter()
+                timed, window_start = 0, window_end + self.aside.take()
             if stopping:
                 self.check_storage(wait=True)
                 self.bar.close()
@@ -534,12 +539,32 @@ class _TrainLoop:
         return {"step": step, **self.last_eval, "unigram_ppl": unigram_perplexity(self.run_data.data)}
 
 
+class _Aside:
+    """A stopwatch for the work between train steps that is not training (`with aside:`); `take` returns
+    the seconds timed since the last take."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, None
+
+    def __enter__(self):
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 class _Records:
     """The metrics record of a logging step: the losses and gradient norms since the last one, the
-    learning rate, throughput and MFU, and where due the evaluation, routing statistics and peak memory."""
+    learning rate, throughput and MFU, and where due the evaluation, routing statistics and peak memory
+    (timed by `aside`)."""
 
-    def __init__(self, cfg, run: RunData, training: ShardedTraining):
-        self.cfg, self.run, self.training = cfg, run, training
+    def __init__(self, cfg, run: RunData, training: ShardedTraining, aside: _Aside):
+        self.cfg, self.run, self.training, self.aside = cfg, run, training, aside
+        self.lr_at = jax.jit(training.schedules["model"])  # one call per record, not a dozen small ones
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_step = model_flops_per_token(cfg.model, cfg.data.seq_len) * self.tokens_per_step
         peak = peak_flops_per_device(cfg.train.peak_tflops)
@@ -549,10 +574,12 @@ class _Records:
     def at(self, step: int, state, batch, losses, norms, step_time: float) -> tuple[dict, dict | None]:
         """(the record of `step`, its evaluation or None where none was due)."""
         t, params, evaluation = self.cfg.train, state["params"], None
+        with self.aside:  # the schedule compiles at the first record
+            lr = float(self.lr_at(step - 1))  # the rate this step's update used
         record = {
             "loss": losses[-1],
             "loss_mean": float(np.mean(losses)),
-            "lr": float(self.training.schedules["model"](step - 1)),  # the rate this step's update used
+            "lr": lr,
             "grad_norm": norms[-1],
             "tokens_per_s": self.tokens_per_step / step_time,
             "step_time_s": step_time,
@@ -560,15 +587,16 @@ class _Records:
             "tokens_seen": step * self.tokens_per_step,
             "epoch": self.run.epoch(step * t.global_batch),
         }
-        if step % t.eval_every == 0 or step == t.steps:
-            evaluation = evaluate(self.training.eval_step, params, self.run.val, self.run.bytes_per_token)
-            record.update(evaluation)
-        if t.stats_every and step % t.stats_every == 0:
-            stats = jax.device_get(self.training.stats_step(params, batch))
-            record["routing_max_weight"] = stats["max_weight"].round(4).tolist()
-            record["routing_entropy"] = stats["entropy"].round(4).tolist()
-        if (peak_bytes := self.peak_memory(state, batch)) is not None:
-            record["peak_bytes"] = peak_bytes
+        with self.aside:
+            if step % t.eval_every == 0 or step == t.steps:
+                evaluation = evaluate(self.training.eval_step, params, self.run.val, self.run.bytes_per_token)
+                record.update(evaluation)
+            if t.stats_every and step % t.stats_every == 0:
+                stats = jax.device_get(self.training.stats_step(params, batch))
+                record["routing_max_weight"] = stats["max_weight"].round(4).tolist()
+                record["routing_entropy"] = stats["entropy"].round(4).tolist()
+            if (peak_bytes := self.peak_memory(state, batch)) is not None:
+                record["peak_bytes"] = peak_bytes
         return record, evaluation
 
 

@@ -6,9 +6,10 @@
 Trains in a temporary run directory, stamps the wall-clock time at which each metrics record is
 written, and for every logging window that neither follows a checkpoint save nor ends in an
 evaluation compares the logged `tokens_per_s` with the rate between the two writes (the steps in
-between, and the one record's logging). The logged rate can only be the higher (its window is
-inside the interval); the ratio says by how much. `tests/test_train.py` runs `measure` on the
-debug scale and fails above 1.5x; the benchmark's goal is within 10%.
+between, and one record's logging). The trainer's window runs from the end of the previous one to
+the moment its steps have run, less evaluations, routing statistics, peak memory and saves, so the
+two clocks differ by little more than the timing of one record. `tests/test_train.py` runs
+`measure` on the debug scale and fails outside [0.5x, 1.5x]; the benchmark's goal is within 10%.
 """
 
 from __future__ import annotations

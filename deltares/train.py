@@ -361,13 +361,12 @@ def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process
     """Why the run cannot go on storing its work (a background save failed, or the run directory's lock
     was taken over), or None. With several processes, `every_process` agrees on it (a collective:
     call it at the same steps on all)."""
-    try:
-        ckpt.poll()
-        problem = None
-    except CheckpointError as err:
-        problem = str(err)
-    if problem is None and lock is not None and lock.record is not None and not lock.held():
-        problem = f"the lock of {ckpt.workdir} was taken over by another trainer; stopped without saving"
+    problem = lock.problem() if lock is not None else None  # first: a moved directory also fails the saves
+    if problem is None:
+        try:
+            ckpt.poll()
+        except CheckpointError as err:
+            problem = str(err)
     if every_process and jax.process_count() > 1:
         failed = multihost_utils.process_allgather(np.int32(problem is not None))
         if failed.any() and problem is None:
@@ -459,16 +458,27 @@ class _TrainLoop:
         self.writer.close()
 
     def stop_for_storage(self, problem: str):
-        self.writer.truncate_after(self.ckpt.durable)  # no record of a step that no checkpoint holds
+        """Stops the run for `problem`, or for what happened to the run directory where that is the cause."""
+        problem = (self.lock.problem() if self.lock is not None else None) or problem
+        _wait_and_check(self.ckpt)  # a save in flight ends (or fails, quietly) before the run does
+        try:
+            self.writer.truncate_after(self.ckpt.durable)  # no record of a step that no checkpoint holds
+        except OSError:
+            pass  # the run directory is gone or unwritable: the problem says so
         raise TrainError(problem)
 
     def save(self, step: int) -> None:
         ckpt = self.ckpt
         try:
             with self.aside:
+                ckpt.wait()  # the previous save first: the directory is checked right before this one starts
+                if self.lock is not None and (problem := self.lock.problem()):  # moved or deleted meanwhile
+                    self.stop_for_storage(problem)
                 ckpt.save(step, self.state, self.run_data.train.get_state(), self.config_record, self.dataset_record)
         except CheckpointError as err:
             self.stop_for_storage(str(err))
+        except TrainError:
+            raise
         except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
             previous = (f"the previous checkpoint, step {ckpt.durable}, is intact" if ckpt.durable is not None
                         else "no checkpoint was saved before it")

@@ -397,3 +397,35 @@ def test_prompt_longer_than_the_context_is_cut_with_a_warning(reference):
     assert warnings == ["warning: prompt 0 has 340 tokens, more than the model's context of 32 (its training "
                         "sequence length): only its last 32 are used"], proc.stderr
     assert proc.stdout.startswith(long_prompt)
+
+
+def test_run_directory_moved_during_the_run_names_where_and_resumes_there(tmp_path, builtin_dataset):
+    """Moved while training: one line naming where it went (not a checkpoint path that no longer exists,
+    nor another trainer); rerun there, it resumes from its last checkpoint. (Deleted, and a removed lock
+    file: tests/test_workdir.py.) The trainer is paused for the move between two saves, so that the test
+    does not depend on where a background save stands."""
+    import signal
+    import time
+
+    workdir, moved = tmp_path / "run", tmp_path / "moved"
+    overrides = (f"--config.data.dataset={builtin_dataset}", "--config.train.log_every=1",
+                 "--config.train.checkpoint_every=4")
+    proc = subprocess.Popen(train_cmd(workdir, *overrides, "--config.train.steps=5000"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while proc.poll() is None and time.time() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        steps = checkpoint_steps(workdir)
+        if steps and not any(n.endswith("tmp") for n in os.listdir(workdir / "checkpoints")):
+            os.rename(workdir, moved)  # no save in flight: the trainer finds the move before its next one
+            proc.send_signal(signal.SIGCONT)
+            break
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=240)
+    assert_clean_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "was moved to",
+                       f"--workdir {moved} to resume")
+    assert not workdir.exists()  # nothing written at the old path after the move
+    again = run(train_cmd(moved, *overrides, "--config.train.steps=12"))
+    assert again.returncode == 0 and "resumed" in again.stderr, describe(again)
+    assert checkpoint_steps(moved)[-1] == 12 and not (moved / "LOCK").exists()

@@ -135,3 +135,35 @@ def test_check_leaves_a_new_run_directory_as_it_was(tmp_path):
     (tmp_path / "c").mkdir()
     check_workdir(str(tmp_path / "c"))
     assert os.listdir(tmp_path / "c") == []
+
+
+def test_a_moved_or_deleted_run_directory_is_named_as_such(tmp_path):
+    """The cause a run stops for: the directory moved (and where to), deleted, or the lock taken over;
+    a removed lock file is made again with a warning. A moved directory's lock is released where it is."""
+    said, log = messages()
+    run = tmp_path / "run"
+    lock = WorkdirLock(str(run), log=log)
+    run.mkdir()
+    lock.acquire()
+    assert lock.problem() is None
+    (run / LOCK).unlink()
+    assert lock.problem() is None and lock.held() and said == [f"warning: the lock file {run / LOCK} was removed "
+                                                               "during the run; made it again"]
+    write_lock(run, token="another trainer's")
+    assert "was taken over by another trainer (process" in lock.problem()
+    (run / LOCK).write_text(json.dumps(lock.record))
+    os.rename(run, tmp_path / "moved")
+    assert lock.problem() == (f"the run directory {run} was moved to {tmp_path / 'moved'} during the run; stopped "
+                              f"without saving there: rerun with --workdir {tmp_path / 'moved'} to resume it")
+    lock.release()
+    assert not (tmp_path / "moved" / LOCK).exists()  # released where the directory is now
+
+    run.mkdir()
+    lock = WorkdirLock(str(run), log=log)
+    lock.acquire()
+    (run / LOCK).unlink()
+    run.rmdir()
+    assert lock.problem().startswith(f"the run directory {run} was deleted during the run")
+    run.mkdir()  # another directory of the same name is not the run's
+    assert lock.problem().startswith(f"the run directory {run} was deleted during the run")
+    lock.release()

@@ -321,9 +321,10 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - a failed save was reported by `poll`, or the run is failing anyway
             pass
         finally:
-            std_logging.getLogger("absl").removeFilter(self._errors)
-            # After a failed save tensorstore's writes keep failing into closed loops until the process
-            # ends: the filter stays then.
+            # After a failed save tensorstore's writes, and orbax's threads, keep failing until the process
+            # ends: the filters stay then.
+            if not self.failed:
+                std_logging.getLogger("absl").removeFilter(self._errors)
             if self._stderr is not None and sys.stderr is self._stderr and not self.failed:
                 sys.stderr = self._stderr.release()
             self._stderr = None

@@ -115,6 +115,7 @@ class WorkdirLock:
         self.record = None
         self._stop = threading.Event()
         self._thread = None
+        self._dir_fd = None  # the run directory held open (local only): where it went if it is moved or deleted
 
     def _new_record(self) -> dict:
         now = time.time()
@@ -122,9 +123,15 @@ class WorkdirLock:
                 "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), "heartbeat": now,
                 "token": uuid.uuid4().hex, "command": " ".join(sys.argv)[:500]}
 
-    def _read(self) -> dict | None:
+    def _read(self, dir_fd: int | None = None) -> dict | None:
+        """The lock's record (None: no lock file; {}: unreadable), from `dir_fd`'s directory if given."""
         try:
-            holder = json.loads(self.path.read_text())
+            if dir_fd is None:
+                text = self.path.read_text()
+            else:
+                with os.fdopen(os.open(LOCK, os.O_RDONLY, dir_fd=dir_fd)) as f:
+                    text = f.read()
+            holder = json.loads(text)
         except FileNotFoundError:
             return None
         except (ValueError, UnicodeDecodeError, OSError):
@@ -204,6 +211,8 @@ class WorkdirLock:
         os.replace(tmp, self.path)
 
     def _start_heartbeat(self) -> None:
+        if not paths.is_remote(self.workdir) and self._dir_fd is None:
+            self._dir_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY)
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="deltares-lock-heartbeat", daemon=True)
         self._thread.start()
@@ -230,6 +239,45 @@ class WorkdirLock:
         """Whether the lock file still names this process (not taken over by another trainer)."""
         return self.record is not None and self._read() == self.record
 
+    def problem(self) -> str | None:
+        """Why the run must stop storing its work in this directory, or None while the lock is ours: the
+        run directory was deleted or moved, or another trainer took the lock over. A lock file that was
+        removed (and not taken by another trainer) is made again, with a warning."""
+        if self.record is None:
+            return None
+        if (gone := self._directory_gone()) is not None:
+            return gone
+        holder = self._read()
+        if holder is None:
+            if self._create():
+                self.log(f"warning: the lock file {self.path} was removed during the run; made it again")
+                return None
+            holder = self._read()
+        if holder == self.record:
+            return None
+        who = (f"process {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
+               else "a trainer that is starting")
+        return f"the lock of {self.workdir} was taken over by another trainer ({who}); stopped without saving"
+
+    def _directory_gone(self) -> str | None:
+        """`the run directory ... was deleted / moved to ...`, or None while it is where the run began."""
+        if self._dir_fd is None:
+            return None
+        try:
+            same = os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd))
+        except OSError:
+            same = False
+        if same:
+            return None
+        try:
+            now = os.readlink(f"/proc/self/fd/{self._dir_fd}")
+        except OSError:
+            now = " (deleted)"
+        if now.endswith(" (deleted)") or os.fstat(self._dir_fd).st_nlink == 0:
+            return f"the run directory {self.workdir} was deleted during the run; stopped (nothing more can be saved)"
+        return (f"the run directory {self.workdir} was moved to {now} during the run; stopped without saving there: "
+                f"rerun with --workdir {now} to resume it")
+
     def release(self) -> None:
         if self.record is None:
             return
@@ -237,10 +285,17 @@ class WorkdirLock:
         if self._thread is not None:
             self._thread.join()
         try:
-            if self._read() == self.record:
+            if self._dir_fd is not None:  # the directory where it is now, if it was moved
+                if self._read(self._dir_fd) == self.record:
+                    os.unlink(LOCK, dir_fd=self._dir_fd)
+            elif self._read() == self.record:
                 self.path.unlink()
         except OSError:
             pass  # a lock we cannot remove is taken over by the next run on this host
+        finally:
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
         self.record = None
 
     def __enter__(self):

@@ -112,16 +112,23 @@ def swap_in(built, final) -> None:
     shutil.rmtree(aside) if os.path.isdir(aside) else os.remove(aside)
 
 
-def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out") -> None:
-    """`write(folder)` fills a new folder beside the local folder `out`, which gets it only once `write` returns:
-    a failure leaves `out` as it was and no partial folder. A non-empty `out` is refused (FileExistsError,
-    one line naming what it holds) unless `overwrite`; checked before `write` runs."""
+def refuse_occupied(out, overwrite: bool, flag: str = "--out", own: str | None = None) -> None:
+    """Raises FileExistsError, one line naming what the folder `out` holds, when it holds anything (but `own`:
+    what the command itself wrote there before, in the words of `contents`) and `overwrite` is not given."""
     held = contents(out)
-    if held is not None and not overwrite:
+    if held is not None and held != own and not overwrite:
         raise FileExistsError(f"{flag} {out} holds {held}; pass --overwrite to replace it, or choose a new {flag}")
+
+
+def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out",
+                own: str | None = None) -> None:
+    """`write(folder)` fills a new, empty folder beside the local folder `out`, which gets it only once `write`
+    returns: a failure leaves `out` as it was and no partial folder. A non-empty `out` is refused (see
+    `refuse_occupied`) before `write` runs."""
+    refuse_occupied(out, overwrite, flag, own)
     built = staging(out)
     shutil.rmtree(built, ignore_errors=True)  # a killed command's leftover: never a whole output
-    os.makedirs(os.path.dirname(os.path.abspath(built)), exist_ok=True)
+    os.makedirs(built)
     try:
         write(built)
         swap_in(built, out)
@@ -130,12 +137,22 @@ def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag
         raise
 
 
+def write_file_whole(path, write: Callable[[str], None]) -> None:
+    """`write(tmp)` writes a local file beside `path` (`<path>.tmp<pid>`), renamed over `path` once whole: a
+    failure leaves `path` as it was."""
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def write_text_atomic(path, text: str) -> None:
     """`text` into `path` whole: a local file through a rename, a bucket object in one write."""
-    path = epath.Path(path)
     if is_remote(path):
-        path.write_text(text)
+        epath.Path(path).write_text(text)
         return
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_file_whole(path, lambda tmp: epath.Path(tmp).write_text(text))

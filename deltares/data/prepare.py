@@ -11,8 +11,8 @@ memory stays bounded however large the corpus. `--workers N` tokenizes N units a
 processes. `--shard I --num_shards N` tokenizes only the units I, I + N, ... : every host of a pod
 runs it with its own I into the same output directory (a local path or a bucket), and the host that
 finishes the last unit writes `meta.json`. Each finished unit is recorded in a ledger, so a
-prepare that was killed resumes without redoing it (and says how many units were done). Whatever the workers or shards, the token
-stream is the same: the units' documents in source order.
+prepare that was killed resumes without redoing it (and says how many units were done). Whatever
+the workers or shards, the token stream is the same: the units' documents in source order.
 
 The output directory (format 2, see deltares.data.shards for the token files):
 - `train/<unit>.bin|.idx`, `val/<unit>.bin|.idx`: every document's tokens followed by end-of-text;
@@ -255,7 +255,8 @@ def _other(out: epath.Path, plan: dict) -> str | None:
 def _workspace(out: epath.Path, plan: dict, overwrite: bool) -> epath.Path:
     """Where this prepare writes: `out` itself when it is missing, empty or holds this plan's dataset;
     with `overwrite`, when it holds anything else, the folder beside it that is swapped in when complete
-    (a leftover one of other input is deleted; one of this input is resumed). Refused otherwise."""
+    (a leftover one of other input is deleted; one of this input is resumed, as hosts of a pod share
+    it). Refused otherwise."""
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out names a directory")
     other = _other(out, plan)
@@ -264,9 +265,9 @@ def _workspace(out: epath.Path, plan: dict, overwrite: bool) -> epath.Path:
     if not overwrite:
         raise DataError(f"{out} holds {other}; use a new --out, or --overwrite to replace it")
     work = epath.Path(paths.staging(out))
-    if work.exists() and _other(work, plan) is not None:
+    if (work / "plan.json").exists() and _other(work, plan) is not None:
         work.rmtree()  # an unfinished replacement from other input: never a dataset
-    return work
+    return work  # without plan.json it holds at most a tokenizer.json, rewritten (or another host's: used)
 
 
 def _finished(work: epath.Path) -> dict | None:

@@ -22,9 +22,8 @@ Kimi modes also report the output router (`final`). Writes into `--out`
 (default `<first run>/analysis`): `routing.json`, `heatmap_<run>.png` (sublayer x
 source mean weight), `max_weight_depth.png` (max weight against depth, all runs,
 with the paper's 0.2 / 0.6 marks) and `curves.png` (training and validation loss
-of all runs, from their `metrics.jsonl`). The folder is written beside `--out` and swapped
-in whole, replacing an earlier analysis there; an `--out` holding anything else (a run,
-a model, a dataset, other files) is refused before the analysis unless `--overwrite`.
+of all runs, from their `metrics.jsonl`). Each file is written beside its name and renamed
+into place when whole; other files in `--out` are left as they are.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from deltares.training.checkpoint import load_checkpoint
 from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches, text_tokens
 from deltares.data.documents import DataError
-from deltares.data.paths import refuse_occupied, write_whole
+from deltares.data.paths import write_file_whole, write_text_atomic
 from deltares.data.run_data import run_dataset_path
 from deltares.interop.inference import check_params
 from deltares.nn.layers import DepthRouter
@@ -300,8 +299,15 @@ def plot_heatmap(result: dict, path: str) -> None:
     ax.set_title(f"{result['name']}: mean routing weight ({result['mode']}, step {result['step']})", fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
+
+
+def save_figure(fig, path: str) -> None:
+    """`fig` into `path` (the format its extension names) through a file beside it and a rename, so a figure
+    is never half written; other files in its folder are left as they are."""
+    fmt = os.path.splitext(path)[1][1:] or None
+    write_file_whole(path, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
 
 
 def plot_max_weight(results: list[dict], path: str) -> None:
@@ -326,7 +332,7 @@ def plot_max_weight(results: list[dict], path: str) -> None:
     ax.set_title("routing sharpness against depth (line: mean, band: quartiles)", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -354,14 +360,11 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- the tool
-
-
-ANALYSIS = "an analysis"  # what deltares.data.paths.contents calls a folder holding routing.json
 
 
 def warn(message: str) -> None:
@@ -369,10 +372,8 @@ def warn(message: str) -> None:
 
 
 def analyze(paths: list[str], out: str | None = None, data: str | None = None, batch: int = 8,
-            max_batches: int = 8, overwrite: bool = False) -> dict:
-    """Analyses every run in `paths`, writes `routing.json` and the figures into `out`; returns the JSON.
-    `out` is replaced whole (no figure of an earlier analysis is left beside the new ones); a folder
-    holding anything but an earlier analysis is refused, before the analysis, unless `overwrite`."""
+            max_batches: int = 8) -> dict:
+    """Analyses every run in `paths`, writes `routing.json` and the figures into `out`; returns the JSON."""
     if not paths:
         raise AnalysisError("no run given: pass --workdir (or --checkpoint) at least once")
     if batch < 1 or max_batches < 1:
@@ -381,7 +382,6 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
     names = [r.name for r in runs]
     runs = [r._replace(name=f"{r.name}_{i}") if names.count(r.name) > 1 else r for i, r in enumerate(runs)]
     out = out or os.path.join(runs[0].workdir, "analysis")
-    refuse_occupied(out, overwrite, own=ANALYSIS)
     results = []
     for run in runs:
         tokens, source = held_out_tokens(run, data)
@@ -389,25 +389,15 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
         result = analyze_run(run, batches)
         result["data"] = source
         results.append(result)
-    report = dict(out=_local(out), batch=batch, max_batches=max_batches, runs=results, figures={})
-    write_whole(out, lambda folder: _write_report(folder, out, runs, report), overwrite=overwrite, own=ANALYSIS)
-    return report
-
-
-def _write_report(folder: str, out: str, runs, report: dict) -> None:
-    """The figures and routing.json of `report` into `folder`, which becomes `out` (the report names the
-    figures there)."""
-    results, figures = report["runs"], report["figures"]
-
-    def figure(name: str) -> str:
-        figures[name] = _local(os.path.join(out, f"{name}.png"))
-        return os.path.join(folder, f"{name}.png")
-
+    os.makedirs(out, exist_ok=True)
+    figures = {}
     for result in results:
         if result["routed_sublayers"]:
-            plot_heatmap(result, figure(f"heatmap_{result['name']}"))
+            figures[f"heatmap_{result['name']}"] = path = os.path.join(out, f"heatmap_{result['name']}.png")
+            plot_heatmap(result, path)
     if any(r["routed_sublayers"] for r in results):
-        plot_max_weight(results, figure("max_weight_depth"))
+        figures["max_weight_depth"] = os.path.join(out, "max_weight_depth.png")
+        plot_max_weight(results, figures["max_weight_depth"])
     curves = []
     for run in runs:
         records = read_metrics(run.workdir)
@@ -416,11 +406,14 @@ def _write_report(folder: str, out: str, runs, report: dict) -> None:
         else:
             warn(f"no metrics.jsonl in {run.workdir}: {run.name} has no loss curves")
     if curves:
-        plot_curves(curves, figure("curves"))
+        figures["curves"] = os.path.join(out, "curves.png")
+        plot_curves(curves, figures["curves"])
     for result in results:
         result["workdir"], result["data"] = _local(result["workdir"]), _local(result["data"])
-    with open(os.path.join(folder, "routing.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    report = dict(out=_local(out), batch=batch, max_batches=max_batches, runs=results,
+                  figures={k: _local(v) for k, v in figures.items()})
+    write_text_atomic(os.path.join(out, "routing.json"), json.dumps(report, indent=1))
+    return report
 
 
 def summary_table(report: dict) -> str:
@@ -443,7 +436,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     paths = list(_WORKDIR.value or []) + list(_CHECKPOINT.value or [])
     try:
-        report = analyze(paths, _OUT.value, _DATA.value, _BATCH.value, _MAX_BATCHES.value, _OVERWRITE.value)
+        report = analyze(paths, _OUT.value, _DATA.value, _BATCH.value, _MAX_BATCHES.value)
     except (AnalysisError, DataError, FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
     print(summary_table(report))
@@ -453,14 +446,12 @@ def main(argv):
 def cli() -> None:
     """The command line (`python -m deltares.analyze`, `deltares-analyze`); flags only here, so modules
     import side by side."""
-    global _WORKDIR, _CHECKPOINT, _DATA, _OUT, _BATCH, _MAX_BATCHES, _OVERWRITE
+    global _WORKDIR, _CHECKPOINT, _DATA, _OUT, _BATCH, _MAX_BATCHES
     _WORKDIR = flags.DEFINE_multi_string("workdir", None, "A run directory (newest checkpoint); repeat for more runs.")
     _CHECKPOINT = flags.DEFINE_multi_string("checkpoint", None, "A workdir or one checkpoint step directory; repeatable.")
     _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory or a text file (default: each run's "
                                 "own validation split).")
-    _OUT = flags.DEFINE_string("out", None, "Output directory (default: <first run>/analysis), replaced whole.")
-    _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an --out that holds something other than an "
-                                   "earlier analysis (a run, a model, a dataset, other files).")
+    _OUT = flags.DEFINE_string("out", None, "Output directory (default: <first run>/analysis).")
     _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per batch.")
     _MAX_BATCHES = flags.DEFINE_integer("max_batches", 8, "Batches of the validation sample.")
     from deltares import command_line

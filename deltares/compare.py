@@ -54,8 +54,8 @@ import sys
 
 from absl import flags
 
-from deltares.analyze import AnalysisError
-from deltares.data.paths import write_file_whole, write_text_atomic
+from deltares.analyze import AnalysisError, save_figure
+from deltares.data.paths import write_text_atomic
 from deltares.training.metrics import read_metrics
 from deltares.training.checkpoint import load_checkpoint
 
@@ -528,8 +528,7 @@ def plot_depth(report: dict, path: str) -> list[dict]:
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    fmt = os.path.splitext(path)[1][1:] or None
-    write_file_whole(path, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+    save_figure(fig, path)
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     plt.close(fig)

@@ -290,22 +290,18 @@ def test_bad_input_is_one_line(runs, tmp_path):
                            "baseline,deltaa"), "unknown mode deltaa", "delta_block")
 
 
-def test_analyze_replaces_an_earlier_analysis_whole_and_refuses_a_run(runs, tmp_path):
-    """--out is replaced whole: no figure of a run analysed before is left beside the new ones; a folder
-    holding a run is refused before the analysis and left as it was."""
-    out = tmp_path / "analysis"
+def test_analyze_rewrites_its_own_files_and_keeps_the_others(runs, tmp_path):
+    """--out may hold other tools' files (the reproduction study keeps compare's depth figure beside the
+    routing figures): analyze replaces its own files, each whole, and nothing else."""
+    out = tmp_path / "figures"
     out.mkdir()
-    (out / "routing.json").write_text("{}")  # an earlier analysis, of another run
-    (out / "heatmap_debug_full_attnres.png").write_bytes(PNG_SIGNATURE)
+    (out / "routing.json").write_text("{}")  # an earlier analysis
+    (out / "depth_ppl.png").write_bytes(PNG_SIGNATURE + b"compare's")
     analyze([runs["delta_block"]], out=str(out), batch=BATCH, max_batches=1)
-    assert sorted(os.listdir(out)) == ["curves.png", "heatmap_debug_delta_block.png", "max_weight_depth.png",
-                                       "routing.json"]
-    assert sorted(os.listdir(tmp_path)) == ["analysis"]
-    before = {p: open(os.path.join(d, p), "rb").read() for d, _, names in os.walk(runs["baseline"]) for p in names}
-    with pytest.raises(FileExistsError, match=r"--out .* holds a run; pass --overwrite to replace it"):
-        analyze([runs["delta_block"]], out=runs["baseline"], batch=BATCH, max_batches=1)
-    assert {p: open(os.path.join(d, p), "rb").read() for d, _, names in os.walk(runs["baseline"])
-            for p in names} == before
+    assert sorted(os.listdir(out)) == ["curves.png", "depth_ppl.png", "heatmap_debug_delta_block.png",
+                                       "max_weight_depth.png", "routing.json"]  # no temporary file left
+    assert (out / "depth_ppl.png").read_bytes() == PNG_SIGNATURE + b"compare's"
+    assert json.loads((out / "routing.json").read_text())["runs"][0]["name"] == "debug_delta_block"
 
 
 def test_report_paths_relative_below_the_working_directory(runs, tmp_path, tmp_path_factory, monkeypatch):

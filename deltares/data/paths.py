@@ -112,20 +112,13 @@ def swap_in(built, final) -> None:
     shutil.rmtree(aside) if os.path.isdir(aside) else os.remove(aside)
 
 
-def refuse_occupied(out, overwrite: bool, flag: str = "--out", own: str | None = None) -> None:
-    """Raises FileExistsError, one line naming what the folder `out` holds, when it holds anything (but `own`:
-    what the command itself wrote there before, in the words of `contents`) and `overwrite` is not given."""
-    held = contents(out)
-    if held is not None and held != own and not overwrite:
-        raise FileExistsError(f"{flag} {out} holds {held}; pass --overwrite to replace it, or choose a new {flag}")
-
-
-def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out",
-                own: str | None = None) -> None:
+def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out") -> None:
     """`write(folder)` fills a new, empty folder beside the local folder `out`, which gets it only once `write`
-    returns: a failure leaves `out` as it was and no partial folder. A non-empty `out` is refused (see
-    `refuse_occupied`) before `write` runs."""
-    refuse_occupied(out, overwrite, flag, own)
+    returns: a failure leaves `out` as it was and no partial folder. A non-empty `out` is refused before
+    `write` runs (FileExistsError, one line naming what it holds) unless `overwrite`."""
+    held = contents(out)
+    if held is not None and not overwrite:
+        raise FileExistsError(f"{flag} {out} holds {held}; pass --overwrite to replace it, or choose a new {flag}")
     built = staging(out)
     shutil.rmtree(built, ignore_errors=True)  # a killed command's leftover: never a whole output
     os.makedirs(built)

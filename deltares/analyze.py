@@ -22,7 +22,8 @@ Kimi modes also report the output router (`final`). Writes into `--out`
 (default `<first run>/analysis`): `routing.json`, `heatmap_<run>.png` (sublayer x
 source mean weight), `max_weight_depth.png` (max weight against depth, all runs,
 with the paper's 0.2 / 0.6 marks) and `curves.png` (training and validation loss
-of all runs, from their `metrics.jsonl`).
+of all runs, from their `metrics.jsonl`). Each file is written beside its name and renamed
+into place when whole; other files in `--out` are left as they are.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from deltares.training.checkpoint import load_checkpoint
 from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches, text_tokens
 from deltares.data.documents import DataError
+from deltares.data.paths import write_file_whole, write_text_atomic
 from deltares.data.run_data import run_dataset_path
 from deltares.interop.inference import check_params
 from deltares.nn.layers import DepthRouter
@@ -297,8 +299,15 @@ def plot_heatmap(result: dict, path: str) -> None:
     ax.set_title(f"{result['name']}: mean routing weight ({result['mode']}, step {result['step']})", fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
+
+
+def save_figure(fig, path: str) -> None:
+    """`fig` into `path` (the format its extension names) through a file beside it and a rename, so a figure
+    is never half written; other files in its folder are left as they are."""
+    fmt = os.path.splitext(path)[1][1:] or None
+    write_file_whole(path, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
 
 
 def plot_max_weight(results: list[dict], path: str) -> None:
@@ -323,7 +332,7 @@ def plot_max_weight(results: list[dict], path: str) -> None:
     ax.set_title("routing sharpness against depth (line: mean, band: quartiles)", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -351,7 +360,7 @@ def plot_curves(runs: list[tuple[str, list[dict]]], path: str) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -403,8 +412,7 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
         result["workdir"], result["data"] = _local(result["workdir"]), _local(result["data"])
     report = dict(out=_local(out), batch=batch, max_batches=max_batches, runs=results,
                   figures={k: _local(v) for k, v in figures.items()})
-    with open(os.path.join(out, "routing.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_text_atomic(os.path.join(out, "routing.json"), json.dumps(report, indent=1))
     return report
 
 

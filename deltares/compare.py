@@ -54,7 +54,8 @@ import sys
 
 from absl import flags
 
-from deltares.analyze import AnalysisError
+from deltares.analyze import AnalysisError, save_figure
+from deltares.data.paths import write_text_atomic
 from deltares.training.metrics import read_metrics
 from deltares.training.checkpoint import load_checkpoint
 from deltares.training.experiment import flat_fields
@@ -531,12 +532,12 @@ def plot_depth(report: dict, path: str) -> list[dict]:
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     plt.close(fig)
-    with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        json.dump(dict(figure=path, x="model.n_layers", y="val_ppl", series=series), f, indent=1)
+    write_text_atomic(os.path.splitext(path)[0] + ".json",
+                      json.dumps(dict(figure=path, x="model.n_layers", y="val_ppl", series=series), indent=1))
     return series
 
 
@@ -574,11 +575,9 @@ def main(argv):
         sys.exit(f"error: {err}")
     print(table)
     if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            f.write(table + "\n")
+        write_text_atomic(_OUT.value, table + "\n")
     if grouping and _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(report, f, indent=1)
+        write_text_atomic(_JSON.value, json.dumps(report, indent=1))
 
 
 def cli() -> None:

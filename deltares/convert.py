@@ -10,7 +10,14 @@
     python -m deltares.convert --checkpoint runs/ft_delta_block --out exported [--dtype bfloat16]
 
 Tensor names and config.json fields: see `deltares.interop.hf`. Every input is checked before
-anything is written.
+anything is written. The output is written whole into `<out>.partial` beside `--out` (or
+`--out_workdir`) and renamed into place only when complete, so a failure leaves what was there as it
+was. An output folder that holds anything (a model, a dataset, a run, other files) is refused unless
+`--overwrite` is given, which replaces it whole: nothing of the old folder is kept.
+
+A run of the `bytes` tokenizer is exported with a byte-level tokenizer.json of the same ids; a run
+whose tokenizer cannot be found (its `bpe:N` dataset is gone) is exported without one, with a warning
+saying to pass `--tokenizer`.
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ import sys
 import ml_collections
 from absl import app, flags, logging
 
+from deltares.data import paths
+from deltares.data.dataset import TokenData
+from deltares.data.documents import DataError
+from deltares.data.run_data import run_dataset_path, run_tokenizer
+from deltares.data.tokenizer import export_json, load_tokenizer
 from deltares.interop import hf
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.experiment import base_config
-from deltares.data.dataset import TokenData
-from deltares.data.run_data import run_dataset_path
 
 
 def _residual_request(mode, block_layers, gate, null_source):
@@ -42,10 +52,14 @@ def _residual_request(mode, block_layers, gate, null_source):
 
 
 def hf_to_hf(src: str, out: str, residual=None, dtype: str = "float32") -> None:
+    """A Hugging Face directory converted into another residual scheme, with the source's tokenizer."""
     cfg, params = hf.from_hf(src, residual, dtype="float32")
     template = hf.read_hf_config(src)
-    hf.to_hf(cfg, params, out, dtype=dtype, tokenizer=src if os.path.exists(os.path.join(src, "tokenizer.json")) else None,
-             template=template)
+    has_tokenizer = os.path.exists(os.path.join(src, "tokenizer.json"))
+    hf.to_hf(cfg, params, out, dtype=dtype, tokenizer=src if has_tokenizer else None, template=template)
+    if not has_tokenizer:
+        print(f"warning: no tokenizer.json written: {src} has none; copy the model's tokenizer into the output",
+              file=sys.stderr)
 
 
 def hf_to_workdir(src: str, workdir: str, residual=None) -> None:
@@ -66,17 +80,33 @@ def hf_to_workdir(src: str, workdir: str, residual=None) -> None:
 
 
 def workdir_to_hf(checkpoint: str, out: str, dtype: str = "float32", tokenizer: str | None = None) -> None:
+    """A Hugging Face directory of a deltares run: its parameters, and `tokenizer` (a tokenizer.json or its
+    directory) or else the run's own tokenizer (a warning when that cannot be found)."""
     loaded = load_checkpoint(checkpoint)
     cfg = ml_collections.ConfigDict(loaded.config)
     hf.to_hf(cfg.model, loaded.state["params"], out, dtype=dtype, tokenizer=tokenizer)
     if tokenizer:
         return
-    data_dir = run_dataset_path(loaded.config, loaded.workdir)
+    run_tok, where = _run_tokenizer(loaded.config, loaded.workdir)
+    if run_tok is None:
+        print(f"warning: no tokenizer.json written: the tokenizer of {checkpoint} ({where}) is not available; "
+              f"pass --tokenizer PATH (a tokenizer.json or its folder) to export one", file=sys.stderr)
+        return
+    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(export_json(run_tok))
+
+
+def _run_tokenizer(config, workdir: str):
+    """(the tokenizer a run trained with, or None; where it was looked for): its dataset's, else its spec's
+    (all but `bpe:N` need no dataset)."""
+    data_dir = run_dataset_path(config, workdir)
     if os.path.exists(os.path.join(data_dir, "meta.json")):
-        text = TokenData(data_dir).tokenizer().to_json()
-        if text:
-            with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
-                f.write(text)
+        return TokenData(data_dir).tokenizer(), data_dir
+    try:
+        spec = run_tokenizer(config)
+        return (None if spec.startswith("bpe:") else load_tokenizer(spec)), f"{spec}, its dataset {data_dir} is gone"
+    except (DataError, FileNotFoundError, ValueError) as err:
+        return None, str(err)
 
 
 def main(argv):
@@ -90,17 +120,20 @@ def main(argv):
         if _CHECKPOINT.value:
             if _OUT_WORKDIR.value or _MODE.value:
                 raise app.UsageError("--checkpoint exports to --out as stored; --mode and --out_workdir need --hf")
-            workdir_to_hf(_CHECKPOINT.value, _OUT.value, _DTYPE.value, _TOKENIZER.value)
+            paths.write_whole(_OUT.value, lambda out: workdir_to_hf(_CHECKPOINT.value, out, _DTYPE.value,
+                                                                    _TOKENIZER.value), overwrite=_OVERWRITE.value)
             print(f"wrote {_OUT.value}")
             return
         residual = _residual_request(_MODE.value, _BLOCK_LAYERS.value, _GATE.value, _NULL_SOURCE.value)
         if _OUT.value:
-            hf_to_hf(_HF.value, _OUT.value, residual, _DTYPE.value)
+            paths.write_whole(_OUT.value, lambda out: hf_to_hf(_HF.value, out, residual, _DTYPE.value),
+                              overwrite=_OVERWRITE.value)
             print(f"wrote {_OUT.value}")
         else:
-            hf_to_workdir(_HF.value, _OUT_WORKDIR.value, residual)
+            paths.write_whole(_OUT_WORKDIR.value, lambda out: hf_to_workdir(_HF.value, out, residual),
+                              overwrite=_OVERWRITE.value, flag="--out_workdir")
             print(f"wrote {_OUT_WORKDIR.value}/checkpoints/0")
-    except (hf.HFError, FileNotFoundError, ValueError, CheckpointError) as err:
+    except (hf.HFError, FileNotFoundError, FileExistsError, ValueError, CheckpointError) as err:
         sys.exit(f"error: {err}")
 
 
@@ -108,6 +141,7 @@ def cli() -> None:
     """The command line (`python -m deltares.convert`, `deltares-convert`); flags only here, so modules
     import side by side."""
     global _HF, _CHECKPOINT, _OUT, _OUT_WORKDIR, _MODE, _BLOCK_LAYERS, _GATE, _NULL_SOURCE, _DTYPE, _TOKENIZER
+    global _OVERWRITE
     _HF = flags.DEFINE_string("hf", None, "A Hugging Face Qwen3 checkpoint directory to read.")
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A deltares run directory (or step directory) to export.")
     _OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
@@ -118,6 +152,8 @@ def cli() -> None:
     _NULL_SOURCE = flags.DEFINE_bool("null_source", False, "Add the paper's learned null source to every routing.")
     _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) to write with --checkpoint.")
+    _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out or --out_workdir whole (the new "
+                                   "output is written beside it and swapped in when complete).")
     from deltares import command_line
 
     command_line.run(main)

@@ -324,6 +324,79 @@ def commands(bench):
     return rows
 
 
+# issue 41: nothing destroyed
+
+
+def nothing_destroyed(bench):
+    """Commands that replace a folder: refused without --overwrite, and with it a failure leaves the old one
+    whole and a success leaves nothing of it; a killed prepare resumes and says how far it had come."""
+    from conftest import TINY_HF
+    from deltares.data import prepare as prepare_module
+    from deltares.data.tokenizer import export_json, load_tokenizer
+    from test_data import make_docs, write_corpus
+
+    root = bench.dir("nothing_destroyed")
+    os.makedirs(root)
+    texts = []
+    for i in range(3):  # each file one unit
+        texts.append(os.path.join(root, f"t{i}.txt"))
+        write_corpus(texts[-1], make_docs(40, i, f"t{i}"))
+    bad = os.path.join(root, "latin1.txt")
+    open(bad, "wb").write("caf\xe9\n\nna\xefve".encode("latin1"))
+    data = os.path.join(root, "data")
+    prepare_module.prepare(texts[0], "bytes", data, val_fraction=0.2, progress=False)
+    before = tree_digest(data)
+
+    def prep(source, out, *extra):
+        return run(module_cmd("deltares.data.prepare", "--source", source, "--tokenizer", "bytes", "--val_fraction",
+                              "0.2", "--out", out, *extra))
+
+    rows = [row("prepare --overwrite, the new source fails", prep(f"{texts[1]},{bad}", data, "--overwrite"),
+                lost=unchanged(before, tree_digest(data)))]
+    rows.append(row("prepare other input, no --overwrite", prep(texts[1], data),
+                    lost=unchanged(before, tree_digest(data))))
+
+    killed = os.path.join(root, "killed")
+    real = prepare_module.tokenize_unit
+
+    def dies_in_the_second(out, plan, index, tokenizer_json):
+        if index == 1:
+            raise KeyboardInterrupt
+        return real(out, plan, index, tokenizer_json)
+
+    prepare_module.tokenize_unit = dies_in_the_second
+    try:
+        prepare_module.prepare(",".join(texts), "bytes", killed, val_fraction=0.2, progress=False)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        prepare_module.tokenize_unit = real
+    proc = prep(",".join(texts), killed)
+    told = f"prepare: resuming {killed}: 1 of 3 units already done" in proc.stderr
+    rows.append(row("prepare killed, rerun", proc, "yes" if told and proc.returncode == 0 else
+                    f"NO (rc {proc.returncode}, resume {'said' if told else 'not said'})"))
+
+    model = os.path.join(root, "model")
+    shutil.copytree(TINY_HF, model)
+    before = tree_digest(model)
+
+    def convert(*extra):
+        return run(module_cmd("deltares.convert", "--checkpoint", bench.reference, "--out", model, *extra))
+
+    proc = convert()
+    rows.append(row("convert --out into a model folder, no --overwrite", proc,
+                    lost=unchanged(before, tree_digest(model))))
+    proc = convert("--overwrite")
+    left = {"generation_config.json", "reference.npz"} & set(os.listdir(model))  # the old model's alone
+    mixed = left or open(os.path.join(model, "tokenizer.json")).read() != export_json(load_tokenizer("bytes"))
+    loads = run(module_cmd("deltares.generate", "--checkpoint", model, "--prompt", "Call me", "--max_new_tokens", "4",
+                           "--temperature", "0"))
+    rows.append(row("convert --overwrite a model folder with a bytes run", proc,
+                    "yes" if loads.returncode == 0 else f"NO (generate: {said(loads) or loads.returncode})",
+                    "YES (old files mixed in)" if mixed else "no"))
+    return rows
+
+
 FAULTS = {
     "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),
     "sigkill during training": lambda b: interrupted(b, "sigkill during training", signal.SIGKILL),
@@ -346,6 +419,8 @@ FAULTS = {
     "other data, same path": lambda b: other_data_same_path(b, "other data, same path", other_tokens, evaluate=False),
     "non-finite loss": non_finite,
     "commands": commands,
+    # issue 41: nothing destroyed
+    "nothing destroyed": nothing_destroyed,
 }
 
 

@@ -290,6 +290,20 @@ def test_bad_input_is_one_line(runs, tmp_path):
                            "baseline,deltaa"), "unknown mode deltaa", "delta_block")
 
 
+def test_analyze_rewrites_its_own_files_and_keeps_the_others(runs, tmp_path):
+    """--out may hold other tools' files (the reproduction study keeps compare's depth figure beside the
+    routing figures): analyze replaces its own files, each whole, and nothing else."""
+    out = tmp_path / "figures"
+    out.mkdir()
+    (out / "routing.json").write_text("{}")  # an earlier analysis
+    (out / "depth_ppl.png").write_bytes(PNG_SIGNATURE + b"compare's")
+    analyze([runs["delta_block"]], out=str(out), batch=BATCH, max_batches=1)
+    assert sorted(os.listdir(out)) == ["curves.png", "depth_ppl.png", "heatmap_debug_delta_block.png",
+                                       "max_weight_depth.png", "routing.json"]  # no temporary file left
+    assert (out / "depth_ppl.png").read_bytes() == PNG_SIGNATURE + b"compare's"
+    assert json.loads((out / "routing.json").read_text())["runs"][0]["name"] == "debug_delta_block"
+
+
 def test_report_paths_relative_below_the_working_directory(runs, tmp_path, tmp_path_factory, monkeypatch):
     """routing.json keeps no machine path for what lies below the working directory (the docs and
     the runs a study commits), and leaves a path elsewhere as it is."""

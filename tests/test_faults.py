@@ -362,6 +362,8 @@ def bad_commands(tmp_path, finished, builtin_dataset):
         ("generate: export lacks a field", ["deltares.generate", "--checkpoint", str(no_heads), "--prompt", "hi"],
          ["num_attention_heads missing"], {}),
         ("prepare without --out", ["deltares.data.prepare", "--source", "builtin"], ["--out"], {}),
+        ("prepare into a run", ["deltares.data.prepare", "--source", "builtin", "--tokenizer", "bytes", "--out",
+                                str(finished)], ["holds a run", "--overwrite"], {}),
     ]
 
 

@@ -320,6 +320,88 @@ def test_convert_cli_round_trip(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def tree_bytes(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def bytes_run(workdir, tokenizer="bytes"):
+    """A deltares run directory (step 0, random parameters) of a model trained with `tokenizer`; its
+    built-in dataset was never prepared, so its tokenizer is known by its spec alone."""
+    from deltares.training.checkpoint import Checkpointer
+    from deltares.training.experiment import base_config
+
+    config = base_config()
+    config.model = _small("baseline", False)
+    config.data.tokenizer = tokenizer
+    params = _random_params(config.model, seed=5)
+    ckpt = Checkpointer(str(workdir), async_save=False)
+    try:
+        ckpt.save(0, {"step": 0, "params": params}, {}, config.to_dict())
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    return params
+
+
+def test_convert_refuses_a_folder_holding_a_model_and_replaces_it_whole(tmp_path):
+    """Exporting into a folder holding a Hugging Face model is refused, changing nothing; with --overwrite
+    the folder holds the export alone (the old model's tokenizer and generation config are gone), and a
+    `bytes` run is exported with a tokenizer.json of the same ids that `generate` loads."""
+    from deltares.data.tokenizer import load_tokenizer
+    from deltares.interop.inference import load_model
+
+    params = bytes_run(tmp_path / "run")
+    out = tmp_path / "exported"
+    shutil.copytree(TINY, out)
+    before = tree_bytes(out)
+    proc = run_convert("--checkpoint", str(tmp_path / "run"), "--out", str(out))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --out {out} holds a Hugging Face model; pass --overwrite to replace it, or choose a new --out"]
+    assert tree_bytes(out) == before
+    proc = run_convert("--checkpoint", str(tmp_path / "run"), "--out", str(out), "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith(("warning:", "error:"))], proc.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path)) == ["exported", "run"]  # no .partial, no old folder
+    _, back = hf.from_hf(str(out), dtype="float32", scan_layers=False)
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    text = "héllo <|endoftext|>\n\tworld"
+    exported = load_tokenizer(f"hf:{out}")
+    assert exported.encode(text) == list(text.encode("utf-8")) and exported.eos_id == 256
+    assert load_model(str(out)).tokenizer.decode(list(text.encode("utf-8"))) == text
+
+
+def test_an_export_that_fails_midway_leaves_the_folder_whole(tmp_path):
+    """deltares.data.paths.write_whole, which every command's output goes through: the disk fills after the
+    weights are written; the folder it was to replace is as it was, and no partial export is left."""
+    from deltares.convert import hf_to_hf
+    from deltares.data import paths
+
+    out = tmp_path / "model"
+    shutil.copytree(TINY, out)
+    before = tree_bytes(out)
+
+    def fills_the_disk(folder):
+        hf_to_hf(TINY, folder, {"mode": "delta", "null_source": False})
+        assert os.path.exists(os.path.join(folder, "model.safetensors"))
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        paths.write_whole(str(out), fills_the_disk, overwrite=True)
+    assert tree_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_export_of_a_run_whose_tokenizer_is_gone_warns(tmp_path, capsys):
+    from deltares.convert import workdir_to_hf
+
+    bytes_run(tmp_path / "run", tokenizer="bpe:300")  # trained on a dataset since deleted
+    workdir_to_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: no tokenizer.json written") and "--tokenizer" in err[0], err
+
+
 # ----------------------------------------------------------------------------- fine-tuning
 
 

@@ -102,7 +102,7 @@ def test_workers_and_shards_give_one_token_stream(tmp_path):
             assert bytes(np.where(got == 256, 255, got).astype(np.uint8)) == want[split], (out, split)
 
 
-def test_killed_prepare_resumes_from_its_ledger(tmp_path, monkeypatch):
+def test_killed_prepare_resumes_from_its_ledger(tmp_path, monkeypatch, capsys):
     source, _ = corpus(tmp_path)
     kw = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
     clean = prepare(source, "bytes", str(tmp_path / "clean"), **kw)
@@ -123,11 +123,72 @@ def test_killed_prepare_resumes_from_its_ledger(tmp_path, monkeypatch):
         TokenData(str(out))  # nothing a trainer would accept
     calls.clear()
     monkeypatch.setattr(prepare_module, "tokenize_unit", lambda *a: calls.append(a[2]) or real(*a))
+    capsys.readouterr()
     resumed = prepare(source, "bytes", str(out), **kw)
     assert calls == list(range(3, clean["units"]))  # the finished units were not redone
+    assert f"prepare: resuming {out}: 3 of {clean['units']} units already done" in capsys.readouterr().err
     assert resumed == clean
     for split in ("train", "val"):
         np.testing.assert_array_equal(stream(out, split), stream(tmp_path / "clean", split))
+
+
+def digest(root):
+    """{relative path: bytes} of every file under `root`."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_builds_beside_and_a_failing_source_leaves_the_old_dataset_whole(tmp_path):
+    """`overwrite` replaces another dataset only once the new one is complete: a source that fails while
+    it is read (its second file is Latin-1) leaves the old dataset's files as they were, and no partial folder."""
+    source, _ = corpus(tmp_path, n_files=2)
+    out = tmp_path / "ds"
+    kw = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
+    prepare(source, "bytes", str(out), **kw)
+    before = digest(out)
+    good = tmp_path / "new.txt"
+    write_corpus(good, make_docs(30, 7, "new"))
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("caf\xe9\n\nna\xefve".encode("latin1"))
+    with pytest.raises(DataError, match="bad.txt"):
+        prepare(f"{good},{bad}", "bytes", str(out), overwrite=True, **kw)
+    assert digest(out) == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.txt", "c0.txt", "c1.txt", "ds", "new.txt"]  # no ds.partial
+    meta = prepare(str(good), "bytes", str(out), overwrite=True, **kw)
+    assert meta["source"] == str(good) and TokenData(str(out)).meta == meta
+    assert "ds.partial" not in os.listdir(tmp_path) and not any(".old-" in n for n in os.listdir(tmp_path))
+
+
+def test_killed_overwrite_keeps_the_old_dataset_and_resumes_beside_it(tmp_path, monkeypatch, capsys):
+    source, _ = corpus(tmp_path, n_files=2)
+    out = tmp_path / "ds"
+    kw = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
+    prepare(source, "bytes", str(out), **kw)
+    before = digest(out)
+    new = tmp_path / "new.txt"
+    write_corpus(new, make_docs(60, 7, "new"))
+    real, calls = prepare_module.tokenize_unit, []
+
+    def dies_after_two(out_dir, plan, index, tokenizer_json):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(index)
+        return real(out_dir, plan, index, tokenizer_json)
+
+    monkeypatch.setattr(prepare_module, "tokenize_unit", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(new), "bytes", str(out), overwrite=True, **kw)
+    assert digest(out) == before  # the old dataset is still the one there, whole
+    assert (tmp_path / "ds.partial" / "ledger" / "00001.json").exists()
+    with pytest.raises(DataError, match="other input.*--overwrite"):
+        prepare(str(new), "bytes", str(out), **kw)  # without --overwrite: refused, nothing touched
+    monkeypatch.setattr(prepare_module, "tokenize_unit", real)
+    capsys.readouterr()
+    meta = prepare(str(new), "bytes", str(out), overwrite=True, **kw)
+    assert f"resuming {tmp_path / 'ds.partial'}: 2 of {meta['units']} units already done" in capsys.readouterr().err
+    assert meta["source"] == str(new) and not (tmp_path / "ds.partial").exists()
+    clean = prepare(str(new), "bytes", str(tmp_path / "clean"), **kw)
+    assert meta == clean
+    np.testing.assert_array_equal(stream(out, "train"), stream(tmp_path / "clean", "train"))
 
 
 def test_max_docs_counts_the_documents_of_the_source(tmp_path):
@@ -203,6 +264,13 @@ def test_prepare_into_and_read_from_a_bucket(fake_bucket, tmp_path):
     starts = [0, 1000, len(tokens) - 40]
     np.testing.assert_array_equal(tokens.windows(starts, 33),
                                   np.stack([np.asarray(tokens)[s : s + 33] for s in starts]).astype(np.int32))
+    first = source.split(",")[0]  # other input: refused, then replaced (built beside, moved in when complete)
+    with pytest.raises(DataError, match="other input.*--overwrite"):
+        prepare(first, "bytes", "gs://data/ds", val_fraction=0.2, progress=False, unit_bytes=3000)
+    replaced = prepare(first, "bytes", "gs://data/ds", val_fraction=0.2, progress=False, unit_bytes=3000,
+                       overwrite=True)
+    assert replaced["source"] == first and TokenData("gs://data/ds").meta == replaced
+    assert sorted(os.listdir(os.path.join(fake_bucket.root, "data"))) == ["ds"]
 
 
 @pytest.mark.parametrize("damage", ["binary", "latin1", "empty", "missing_shard", "empty_shard"])

@@ -1,4 +1,5 @@
-"""Run directories on a local disk or a bucket (`gs://`, `s3://`), through `etils.epath`.
+"""Run directories on a local disk or a bucket (`gs://`, `s3://`), through `etils.epath`, and the one way
+every command replaces what it writes: beside it first, swapped in whole.
 
 Checkpoints go to the run directory through orbax (tensorstore writes buckets
 natively); metrics and TensorBoard events through `epath` and tensorboardX
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+from collections.abc import Callable
 
 from etils import epath
 
@@ -48,3 +51,101 @@ def builtin_dataset_dir(workdir: str, tokenizer: str) -> str:
         return os.path.join(run_dir(workdir), "dataset")
     key = hashlib.sha256(tokenizer.encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), "datasets", f"builtin-{key}")
+
+
+# ----------------------------------------------------------------------------- replacing outputs
+
+STAGING_SUFFIX = ".partial"
+
+
+def staging(final) -> str:
+    """The folder beside `final` where a command builds what replaces it (`<final>.partial`)."""
+    return os.fspath(final).rstrip("/") + STAGING_SUFFIX
+
+
+def contents(path) -> str | None:
+    """What the local or bucket folder `path` holds, in words (a Hugging Face model, a dataset, a run, an
+    analysis, or its first files), or None when it is missing or empty."""
+    path = epath.Path(path)
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return "a file"
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return None
+    has = set(names)
+    if "config.json" in has and any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
+                                    for n in names):
+        return "a Hugging Face model"
+    if has & {"meta.json", "plan.json"}:
+        return "a dataset"
+    if has & {"checkpoints", "metrics.jsonl", "LOCK"}:
+        return "a run"
+    if "routing.json" in has:
+        return "an analysis"
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{len(names)} {'entry' if len(names) == 1 else 'entries'} ({shown})"
+
+
+def swap_in(built, final) -> None:
+    """Puts the finished folder `built` at `final`, deleting what `final` held only afterwards. Locally by
+    renames: the old folder is set aside, the new one renamed in (the old one is put back if that fails),
+    then the old one deleted. A bucket has no rename of a folder: the old one is deleted and the new one
+    moved (copied) in, so a failure in the move leaves the new one whole at `built`."""
+    built, final = epath.Path(built), epath.Path(final)
+    if is_remote(final):
+        if final.exists():
+            final.rmtree()
+        built.rename(final)
+        return
+    if not final.exists():
+        os.replace(built, final)
+        return
+    aside = f"{os.fspath(final)}.old-{os.getpid()}"
+    os.replace(final, aside)
+    try:
+        os.replace(built, final)
+    except BaseException:
+        os.replace(aside, final)
+        raise
+    shutil.rmtree(aside) if os.path.isdir(aside) else os.remove(aside)
+
+
+def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out") -> None:
+    """`write(folder)` fills a new, empty folder beside the local folder `out`, which gets it only once `write`
+    returns: a failure leaves `out` as it was and no partial folder. A non-empty `out` is refused before
+    `write` runs (FileExistsError, one line naming what it holds) unless `overwrite`."""
+    held = contents(out)
+    if held is not None and not overwrite:
+        raise FileExistsError(f"{flag} {out} holds {held}; pass --overwrite to replace it, or choose a new {flag}")
+    built = staging(out)
+    shutil.rmtree(built, ignore_errors=True)  # a killed command's leftover: never a whole output
+    os.makedirs(built)
+    try:
+        write(built)
+        swap_in(built, out)
+    except BaseException:
+        shutil.rmtree(built, ignore_errors=True)
+        raise
+
+
+def write_file_whole(path, write: Callable[[str], None]) -> None:
+    """`write(tmp)` writes a local file beside `path` (`<path>.tmp<pid>`), renamed over `path` once whole: a
+    failure leaves `path` as it was."""
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_text_atomic(path, text: str) -> None:
+    """`text` into `path` whole: a local file through a rename, a bucket object in one write."""
+    if is_remote(path):
+        epath.Path(path).write_text(text)
+        return
+    write_file_whole(path, lambda tmp: epath.Path(tmp).write_text(text))

@@ -11,8 +11,8 @@ memory stays bounded however large the corpus. `--workers N` tokenizes N units a
 processes. `--shard I --num_shards N` tokenizes only the units I, I + N, ... : every host of a pod
 runs it with its own I into the same output directory (a local path or a bucket), and the host that
 finishes the last unit writes `meta.json`. Each finished unit is recorded in a ledger, so a
-prepare that was killed resumes without redoing it. Whatever the workers or shards, the token
-stream is the same: the units' documents in source order.
+prepare that was killed resumes without redoing it (and says how many units were done). Whatever
+the workers or shards, the token stream is the same: the units' documents in source order.
 
 The output directory (format 2, see deltares.data.shards for the token files):
 - `train/<unit>.bin|.idx`, `val/<unit>.bin|.idx`: every document's tokens followed by end-of-text;
@@ -28,6 +28,11 @@ A document is held out for validation when a hash of its text says so (`--val_fr
 whichever file or record it comes from. `--max_docs N` keeps the first N documents of the source,
 held-out ones included (a record of a Hugging Face dataset is a document). `bpe:N` trains its
 tokenizer on the first 20,000 training documents.
+
+An `--out` that holds anything but this input's dataset (whole or in part) is refused; with `--overwrite`
+the new dataset is built in `<out>.partial` beside it and swapped in only when complete, so a source
+that fails leaves the old dataset whole (a killed one is resumed by the same command). On a bucket,
+which cannot rename a folder, the old dataset is deleted and the new one moved in only once it is complete.
 """
 
 from __future__ import annotations
@@ -159,7 +164,7 @@ def tokenize_unit(out_dir: str, plan: dict, index: int, tokenizer_json: str | No
         np.savez(f, **{split: _sparse(writers[split].unigram) for split in SPLITS})
     record = dict(unit=index, splits=splits, documents=records,
                   max_token_id=max(w.max_id for w in writers.values()), seconds=time.perf_counter() - start)
-    _write_atomic(ledger / f"{index:05d}.json", json.dumps(record))
+    paths.write_text_atomic(ledger / f"{index:05d}.json", json.dumps(record))
     _release_memory()
     return record
 
@@ -194,16 +199,6 @@ def _release_memory() -> None:
 def _sparse(counts: np.ndarray) -> np.ndarray:
     ids = np.flatnonzero(counts)
     return np.stack([ids, counts[ids]]).astype(np.int64)
-
-
-def _write_atomic(path: epath.Path, text: str) -> None:
-    """`text` into `path` whole: a local file through a rename, a bucket object in one write."""
-    if paths.is_remote(os.fspath(path)):
-        path.write_text(text)
-        return
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _worker_init(threads: int) -> None:
@@ -242,27 +237,43 @@ def _n_units(plan: dict, done: dict) -> int | None:
     return min(empty) if empty else None
 
 
-def _start(out: epath.Path, plan: dict, overwrite: bool):
-    """Checks the output directory against the plan: (the existing meta.json if the dataset is already
-    complete, else None). Another dataset there is refused, or removed with `overwrite`."""
-    plan_path, meta_path = out / "plan.json", out / "meta.json"
-    if overwrite and out.exists():
-        out.rmtree()
+def _other(out: epath.Path, plan: dict) -> str | None:
+    """What `out` holds instead of this plan's dataset, in words; None when it is missing, empty, or holds
+    this plan's dataset (whole, or in part: a prepare to resume)."""
+    plan_path = out / "plan.json"
+    if plan_path.exists():
+        theirs, ours = json.loads(plan_path.read_text()), json.loads(json.dumps(plan))
+        if theirs == ours:
+            return None
+        differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        return f"a dataset prepared from other input (differs in {', '.join(differ)})"
+    if (out / "meta.json").exists():
+        return "a dataset prepared by an earlier deltares"
+    return paths.contents(out)
+
+
+def _workspace(out: epath.Path, plan: dict, overwrite: bool) -> epath.Path:
+    """Where this prepare writes: `out` itself when it is missing, empty or holds this plan's dataset;
+    with `overwrite`, when it holds anything else, the folder beside it that is swapped in when complete
+    (a leftover one of other input is deleted; one of this input is resumed, as hosts of a pod share
+    it). Refused otherwise."""
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out names a directory")
-    if meta_path.exists() and not plan_path.exists():
-        raise DataError(f"{out} holds a dataset prepared by an earlier deltares; use a new --out, or --overwrite")
-    if plan_path.exists():
-        theirs = json.loads(plan_path.read_text())
-        if theirs != json.loads(json.dumps(plan)):
-            differ = sorted(k for k in set(theirs) | set(plan) if theirs.get(k) != json.loads(json.dumps(plan)).get(k))
-            raise DataError(f"{out} holds a dataset prepared from other input (differs in {', '.join(differ)}); "
-                            "use a new --out, or --overwrite to replace it")
-        if meta_path.exists():
-            return json.loads(meta_path.read_text())
-    elif out.exists() and any(out.iterdir()):
-        raise DataError(f"{out} is not empty and holds no dataset; use a new --out, or --overwrite to replace it")
-    return None
+    other = _other(out, plan)
+    if other is None:
+        return out
+    if not overwrite:
+        raise DataError(f"{out} holds {other}; use a new --out, or --overwrite to replace it")
+    work = epath.Path(paths.staging(out))
+    if (work / "plan.json").exists() and _other(work, plan) is not None:
+        work.rmtree()  # an unfinished replacement from other input: never a dataset
+    return work  # without plan.json it holds at most a tokenizer.json, rewritten (or another host's: used)
+
+
+def _finished(work: epath.Path) -> dict | None:
+    """The metadata of the dataset in `work` when it is complete (it holds this plan: see `_workspace`)."""
+    meta_path = work / "meta.json"
+    return json.loads(meta_path.read_text()) if meta_path.exists() and (work / "plan.json").exists() else None
 
 
 def _write_plan(out: epath.Path, plan: dict, tokenizer) -> str | None:
@@ -274,8 +285,8 @@ def _write_plan(out: epath.Path, plan: dict, tokenizer) -> str | None:
     if text is not None and existing.exists() and (out / "plan.json").exists():
         return existing.read_text()  # another host's trained tokenizer
     if text is not None:
-        _write_atomic(existing, text)
-    _write_atomic(out / "plan.json", json.dumps(plan, indent=2))
+        paths.write_text_atomic(existing, text)
+    paths.write_text_atomic(out / "plan.json", json.dumps(plan, indent=2))
     return text
 
 
@@ -316,7 +327,7 @@ def _finalize(out: epath.Path, plan: dict, tokenizer, done: dict, n_units: int) 
         val_fraction=plan["val_fraction"],
         units=n_units,
     )
-    _write_atomic(out / "meta.json", dumps_meta(meta))
+    paths.write_text_atomic(out / "meta.json", dumps_meta(meta))
     return meta
 
 
@@ -354,16 +365,25 @@ def prepare(
                      hf_field=hf_field, max_docs=max_docs, unit_bytes=unit_bytes)
     if plan["units"] == []:
         raise DataError(f"source {source!r} holds no documents")
-    finished = _start(out, plan, overwrite)
-    if finished is not None:
-        return finished
-    created = not out.exists()
-    try:
-        return _prepare(out, plan, tokenizer_spec, workers, shard, num_shards, progress)
-    except DataError:
-        if created:  # bad input, found while reading: the directory this call made goes again
-            out.rmtree(missing_ok=True)
-        raise
+    work = _workspace(out, plan, overwrite)
+    meta = _finished(work)
+    if meta is None:
+        created = not work.exists()
+        try:
+            meta = _prepare(work, plan, tokenizer_spec, workers, shard, num_shards, progress)
+        except DataError:
+            if created:  # bad input, found while reading: the directory this call made goes again
+                work.rmtree(missing_ok=True)
+            raise
+    elif work == out:
+        _say(f"{out} already holds this dataset; nothing to do")
+    if meta is not None and work != out:
+        paths.swap_in(work, out)  # complete: only now is what `out` held deleted
+    return meta
+
+
+def _say(message: str) -> None:
+    print(f"prepare: {message}", file=sys.stderr, flush=True)
 
 
 def _prepare(out: epath.Path, plan: dict, tokenizer_spec: str, workers: int, shard: int, num_shards: int,
@@ -391,6 +411,8 @@ def _tokenize(out: epath.Path, plan: dict, tokenizer_json, workers: int, shard: 
     done = _done(out)
     known = plan["units"] is not None
     total = len(plan["units"]) if known else None
+    if done:
+        _say(f"resuming {out}: {len(done)}{f' of {total}' if known else ''} units already done")
     mine = [i for i in range(total) if i % num_shards == shard and i not in done] if known else None
     bar = tqdm(total=len(mine) if known else None, desc="tokenizing", unit="unit", disable=not progress,
                file=sys.stderr)
@@ -486,7 +508,8 @@ def cli() -> None:
     _WORKERS = flags.DEFINE_integer("workers", 1, "Processes tokenizing units at once.")
     _SHARD = flags.DEFINE_integer("shard", 0, "This host's share of the units: I of --num_shards.")
     _NUM_SHARDS = flags.DEFINE_integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).")
-    _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a dataset of other input in --out.")
+    _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (a dataset of other input, or "
+                                   "anything else): built beside it in <out>.partial, swapped in when complete.")
     from deltares import command_line
 
     command_line.run(main)

@@ -145,5 +145,28 @@ def tokenizer_sha256(spec: str, tokenizer_json: str | None) -> str:
     return hashlib.sha256((tokenizer_json if tokenizer_json is not None else spec).encode("utf-8")).hexdigest()
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE's printable character for each byte (GPT-2's table, as `tokenizers` uses it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def export_json(tokenizer) -> str:
+    """The tokenizer.json a Hugging Face export carries: the tokenizer's own JSON, or for `bytes` a byte-level
+    tokenizer with the same ids (byte b is id b, end-of-text 256; no merges), which transformers and
+    `hf:PATH` load as they load any other."""
+    if tokenizer.spec != "bytes":
+        return tokenizer.to_json()
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab[EOS_NAMES[0]] = ByteTokenizer.eos_id  # in the vocabulary, not an added token: text never yields it
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
 def dumps_meta(meta: dict) -> str:
     return json.dumps(meta, indent=2, sort_keys=True)

@@ -185,8 +185,9 @@ def _wake(signum, frame) -> None:
 
 
 def _watch(reader: socket.socket, writer: socket.socket) -> None:
-    while True:
-        for signum in reader.recv(64):
+    """The interrupt thread: the numbers of the signals caught, as they come (`writer` is kept open here)."""
+    while received := reader.recv(64):
+        for signum in received:
             if signum in EXIT_CODES and signal.getsignal(signum) is _wake:  # not taken over
                 _exit_interrupted(signal.Signals(signum))
 

@@ -305,9 +305,9 @@ def _locked(workdir: str):
     with command_line.on_interrupt(lock.release):
         if jax.process_index() == 0:
             try:
+                check_workdir(workdir)
+                paths.makedirs(workdir)
                 with command_line.whole():  # an interrupt leaves no lock file without its record
-                    check_workdir(workdir)
-                    paths.makedirs(workdir)
                     lock.acquire()
             except (WorkdirError, OSError) as err:
                 error = str(err)

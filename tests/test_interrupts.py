@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -212,3 +213,12 @@ def test_sigterm_while_prepare_tokenizes_and_the_rerun_completes(dataset, tmp_pa
     one = json.load(open(os.path.join(dataset, "meta.json")))["splits"]
     three = json.load(open(os.path.join(out, "meta.json")))["splits"]
     assert {s: three[s]["tokens"] for s in one} == {s: 3 * one[s]["tokens"] for s in one}
+
+
+def test_a_program_importing_deltares_keeps_its_own_signal_handling():
+    """Only a process started as a tool handles interrupts the tools' way."""
+    code = ("import signal, deltares.train; "
+            "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.stdout.split() == ["True", "True"], describe(proc)

@@ -22,6 +22,7 @@ from jax_cache import ENV, ROOT
 
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 TIMEOUT = 180
+COPIES = 16  # of the built-in corpus that prepare tokenizes when it is stopped
 
 
 class Started:
@@ -194,25 +195,26 @@ def test_sigint_during_prepare_imports(tmp_path):
 
 
 def test_sigterm_while_prepare_tokenizes_and_the_rerun_completes(dataset, tmp_path):
-    """Three copies of the built-in corpus, three units: stopped after the first, prepared whole by the rerun."""
+    """Sixteen copies of the built-in corpus, sixteen units (a second of work or more): stopped once its
+    progress bar shows, prepared whole by the rerun."""
     import json
 
     from deltares.data.documents import builtin_path
 
-    for i in range(3):
+    for i in range(COPIES):
         shutil.copy(builtin_path(), tmp_path / f"{i}.txt.gz")
     out = str(tmp_path / "data")
     cmd = module_cmd("deltares.data.prepare", "--source", str(tmp_path / "*.txt.gz"), "--tokenizer", "bytes",
                      "--val_fraction", "0.05", "--out", out)
     started = Started(cmd)
-    started.wait_for(lambda: "| 1/3 [" in started.stderr(), "the first unit")
+    started.wait_for(lambda: f"/{COPIES} [" in started.stderr(), "tokenizing")
     assert_interrupted(started.interrupt(signal.SIGTERM), signal.SIGTERM)
 
     rerun = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert rerun.returncode == 0, describe(rerun)
     one = json.load(open(os.path.join(dataset, "meta.json")))["splits"]
-    three = json.load(open(os.path.join(out, "meta.json")))["splits"]
-    assert {s: three[s]["tokens"] for s in one} == {s: 3 * one[s]["tokens"] for s in one}
+    every = json.load(open(os.path.join(out, "meta.json")))["splits"]
+    assert {s: every[s]["tokens"] for s in one} == {s: COPIES * one[s]["tokens"] for s in one}
 
 
 def test_a_program_importing_deltares_keeps_its_own_signal_handling():

@@ -7,12 +7,16 @@ left as it is; only the tools change their own process's environment.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import glob
 import os
 import re
+import signal
+import socket
 import sys
+import threading
 
 from absl import app, flags
 
@@ -130,6 +134,7 @@ def _one_line_errors(main):
 
     @functools.wraps(main)
     def wrapped(argv):
+        interrupt_note("running", "")  # the flags are parsed; a tool may say more (deltares.train does)
         try:
             return main(argv)
         except app.UsageError as err:
@@ -140,10 +145,104 @@ def _one_line_errors(main):
     return wrapped
 
 
+# ----------------------------------------------------------------------------- interrupts
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as a shell reports it
+_note = {"doing": "starting", "left": "nothing was written"}
+_cleanups: list = []
+_whole = threading.RLock()  # held by a write that must not be cut short; the exit path takes it for good
+_watching = False
+
+
+def handle_interrupts() -> None:
+    """From now on SIGINT and SIGTERM end the process at once, with one `error:` line (what it was doing,
+    what it leaves: `interrupt_note`) and exit code 130 or 143, whatever the main thread is in: an
+    import, a compilation, a wait on a device. A thread does it, woken by the signal (`signal.set_wakeup_fd`),
+    and ends the process with `os._exit`: a KeyboardInterrupt unwinding through jax's threads ended in a
+    segmentation fault at exit. A handler installed later (the training loop's `StopRequest`) takes
+    its signals over while it is installed. Only in the main thread of the main process; once."""
+    global _watching
+    if _watching or threading.current_thread() is not threading.main_thread() or _in_worker_process():
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    for signum in EXIT_CODES:
+        signal.signal(signum, _wake)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(reader, writer), name="deltares-interrupts", daemon=True).start()
+    _watching = True
+
+
+def _in_worker_process() -> bool:
+    """Whether this is a worker that `multiprocessing` started (its parent handles interrupts)."""
+    mp = sys.modules.get("multiprocessing")
+    return mp is not None and mp.parent_process() is not None
+
+
+def _wake(signum, frame) -> None:
+    """The Python-level handler: nothing. Python's C-level handler writes the signal's number to the
+    wakeup socket, and `_watch` acts on it at once, even while the main thread runs native code."""
+
+
+def _watch(reader: socket.socket, writer: socket.socket) -> None:
+    """The interrupt thread: the numbers of the signals caught, as they come (`writer` is kept open here)."""
+    while received := reader.recv(64):
+        for signum in received:
+            if signum in EXIT_CODES and signal.getsignal(signum) is _wake:  # not taken over
+                _exit_interrupted(signal.Signals(signum))
+
+
+def interrupt_note(doing: str, left: str) -> None:
+    """What the line of an interrupt says from now on: what the command is `doing`, and what it leaves
+    written (`left`, or "" to say nothing of it)."""
+    _note.update(doing=doing, left=left)
+
+
+@contextlib.contextmanager
+def on_interrupt(cleanup):
+    """`cleanup()` runs (on the interrupt thread) if an interrupt ends the process inside this block."""
+    with _whole:
+        _cleanups.append(cleanup)
+    try:
+        yield
+    finally:
+        with _whole:
+            _cleanups.remove(cleanup)
+
+
+@contextlib.contextmanager
+def whole():
+    """A block that an interrupt does not cut short: the process ends after it, not inside it."""
+    with _whole:
+        yield
+
+
+def _exit_interrupted(sig: signal.Signals) -> None:
+    """Waits for a write that must be whole (and lets no other start), runs the cleanups, ends the
+    worker processes, prints the line and exits."""
+    _whole.acquire(timeout=30)
+    for cleanup in reversed(_cleanups):
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001, S110 - exiting anyway: the next run handles what is left
+            pass
+    mp = sys.modules.get("multiprocessing")
+    for child in mp.active_children() if mp is not None else ():
+        child.terminate()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    line = f"error: interrupted by {sig.name} while {_note['doing']}" + (f"; {_note['left']}" if _note["left"] else "")
+    os.write(2, f"\n{line}\n".encode())  # after a progress bar or the terminal's ^C
+    os._exit(EXIT_CODES[sig])
+
+
 def run(main, quiet_libtpu: bool = True) -> None:
     """`absl.app.run(main)` for a tool whose flags are defined: libtpu quiet (unless the tool sets
     libtpu up itself, as `deltares.aot` does), `--config` names resolved, `--help` complete, and
-    every usage, flag or config-override error one `error:` line."""
+    every usage, flag or config-override error one `error:` line; an interrupt at any moment one
+    line too (`handle_interrupts`)."""
+    handle_interrupts()
     if quiet_libtpu:
         quiet_libtpu_off_tpu()
     sys.argv = resolve_config_args(sys.argv)

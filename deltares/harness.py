@@ -207,6 +207,7 @@ def main() -> None:
 
     from deltares import command_line
 
+    command_line.handle_interrupts()
     command_line.quiet_libtpu_off_tpu()
     try:
         cli_evaluate()

@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from deltares import command_line
 from deltares.data import paths
 from deltares.data.documents import BUILTIN, DataError
 from deltares.data.run_data import RunData, open_run_data, unigram_perplexity
@@ -259,14 +260,18 @@ def train(cfg, workdir: str) -> dict:
     (deltares.training.workdir) -> data (deltares.data.run_data) -> model and sharded step
     (deltares.training.program) -> the state to start from (`_start_state`) -> the loop (`_train`),
     which writes checkpoints and metrics. Nothing is written before the run directory is locked,
-    and a run that fails before its first step leaves a new run directory as it found it."""
+    and a run that fails or is interrupted before its first step leaves a new run directory as it
+    found it (see `deltares.command_line.handle_interrupts` for an interrupt outside the loop)."""
     check_train_config(cfg)
     mesh = _mesh(cfg)
     workdir = paths.run_dir(workdir)
     fresh = not paths.is_remote(workdir) and not os.path.exists(workdir)
+    undo = (lambda: _remove_if_empty(workdir)) if fresh else (lambda: None)
     try:
-        with _locked(workdir) as lock:
+        with command_line.on_interrupt(undo), _locked(workdir) as lock:
+            _note("opening the data")
             run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say)
+            _note("building the train step")
             training = sharded_train_step(cfg, mesh, run.data.eos_id)
             t = cfg.train
             ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
@@ -275,11 +280,20 @@ def train(cfg, workdir: str) -> dict:
             finally:
                 ckpt.close()
     except BaseException:
-        if fresh:  # what this run made and left empty: the checkpoints folder, the run directory
-            for path in (os.path.join(workdir, "checkpoints"), workdir):
-                if os.path.isdir(path) and not os.listdir(path):
-                    os.rmdir(path)
+        undo()
         raise
+
+
+def _remove_if_empty(workdir: str) -> None:
+    """Removes what a run made and left empty: the checkpoints folder, the run directory."""
+    for path in (os.path.join(workdir, "checkpoints"), workdir):
+        if os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
+
+
+def _note(doing: str) -> None:
+    """What an interrupt before the training loop reports (the loop's `StopRequest` saves instead)."""
+    command_line.interrupt_note(doing, "nothing was saved")
 
 
 def _mesh(cfg):
@@ -299,21 +313,23 @@ def _locked(workdir: str):
     """The run directory checked (`check_workdir`) and locked (`WorkdirLock`) for the run's duration,
     by process 0; every process stops with TrainError when it cannot be."""
     lock, error = WorkdirLock(workdir, log=say), None
-    if jax.process_index() == 0:
+    with command_line.on_interrupt(lock.release):
+        if jax.process_index() == 0:
+            try:
+                check_workdir(workdir)
+                paths.makedirs(workdir)
+                with command_line.whole():  # an interrupt leaves no lock file without its record
+                    lock.acquire()
+            except (WorkdirError, OSError) as err:
+                error = str(err)
+        if jax.process_count() > 1 and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
+            error = error or f"process 0 could not check or lock {workdir} (its error says why)"
+        if error:
+            raise TrainError(error)
         try:
-            check_workdir(workdir)
-            paths.makedirs(workdir)
-            lock.acquire()
-        except (WorkdirError, OSError) as err:
-            error = str(err)
-    if jax.process_count() > 1 and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
-        error = error or f"process 0 could not check or lock {workdir} (its error says why)"
-    if error:
-        raise TrainError(error)
-    try:
-        yield lock
-    finally:
-        lock.release()
+            yield lock
+        finally:
+            lock.release()
 
 
 def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckpt: Checkpointer):
@@ -325,6 +341,7 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
     except CheckpointError as err:
         raise TrainError(str(err)) from None
     if start is not None:
+        _note(f"restoring step {start}")
         _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.data, workdir)
         abstract_state = training.abstract_state
         try:
@@ -343,6 +360,7 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
         return state, start
     if cfg.init_from and cfg.init_from_hf:
         raise TrainError("set config.init_from or config.init_from_hf, not both")
+    _note("initialising the model")
     params = _init_from_hf(cfg.init_from_hf, cfg.model) if cfg.init_from_hf else None
     state = training.init(cfg.seed)
     if cfg.init_from:
@@ -452,6 +470,7 @@ class _TrainLoop:
                 "the run repeats its data")
 
     def close(self) -> None:
+        command_line.interrupt_note("closing the run", "every checkpoint it reported is saved")
         self.stop.restore()
         self.bar.close()
         self.profiler.stop()

@@ -34,6 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from debug_runs import RESUME_OVERRIDES, STEPS, checkpoint_steps, module_cmd, read_metrics, tree_digest  # noqa: E402
 from jax_cache import ENV, ROOT  # noqa: E402
 import test_faults as tf  # noqa: E402 - the damages and command lines the tests use
+import test_interrupts as ti  # noqa: E402 - how the tests see that a command reached a phase
 
 DEBUG = os.path.join(ROOT, "experiments", "debug.py")
 RESUME = tuple(f"--config.train.{k}={v}" for k, v in RESUME_OVERRIDES.items())
@@ -304,6 +305,30 @@ def non_finite(bench):
     return row("non-finite loss", proc, lost="no" if finite else "YES (a checkpoint of non-finite parameters)")
 
 
+# issue 41: interrupts
+
+PHASES = {  # how a test sees that the trainer got there (tests/test_interrupts.py)
+    "the first imports": lambda started, workdir: ti.handles_sigterm(started.proc.pid),
+    "the lock taken": lambda started, workdir: os.path.exists(os.path.join(workdir, "LOCK")),
+    "the first compile": lambda started, workdir: "train:" in started.stderr(),
+}
+
+
+def interrupted_at(bench, name, sig, phase, workdir=None):
+    """`sig` to a trainer once it reached `phase` (a new run directory, or `workdir`), then the same command
+    again. Lost: a run directory the interrupted run changed, other than by the step it saved in the loop."""
+    workdir = workdir or bench.dir(slug(name))
+    before = tree_digest(workdir) if os.path.isdir(workdir) else None
+    started = ti.Started(bench.cmd(workdir))
+    started.wait_for(lambda: PHASES[phase](started, workdir), phase)
+    first = started.interrupt(sig)
+    after = tree_digest(workdir) if os.path.isdir(workdir) else None
+    lost = "no" if phase == "the first compile" else unchanged(before, after)
+    rerun = bench.train(workdir)
+    tb = "Traceback" in first.stderr + rerun.stderr
+    return row(name, first, recovered_like_reference(bench, workdir), lost, traceback=tb)
+
+
 def commands(bench):
     tmp = __import__("pathlib").Path(bench.dir("commands"))
     tmp.mkdir()
@@ -421,6 +446,15 @@ FAULTS = {
     "commands": commands,
     # issue 41: nothing destroyed
     "nothing destroyed": nothing_destroyed,
+    # issue 41: interrupts
+    "sigint during the first imports": lambda b: interrupted_at(b, "sigint during the first imports", signal.SIGINT,
+                                                               "the first imports"),
+    "sigterm once the run directory is locked": lambda b: interrupted_at(
+        b, "sigterm once the run directory is locked", signal.SIGTERM, "the lock taken"),
+    "sigint during the first compile": lambda b: interrupted_at(b, "sigint during the first compile", signal.SIGINT,
+                                                                "the first compile"),
+    "sigterm while resuming a finished run": lambda b: interrupted_at(
+        b, "sigterm while resuming a finished run", signal.SIGTERM, "the lock taken", b.finished_copy("resuming")),
 }
 
 

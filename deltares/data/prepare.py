@@ -42,6 +42,7 @@ import functools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -202,7 +203,9 @@ def _sparse(counts: np.ndarray) -> np.ndarray:
 
 
 def _worker_init(threads: int) -> None:
-    """A worker process: its share of the cores for the tokenizer's own threads."""
+    """A worker process: its share of the cores for the tokenizer's own threads. Ctrl-C, sent to every
+    process of the terminal's group, is left to the parent (which ends the workers and prints one line)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     _limit_arenas()

@@ -255,7 +255,9 @@ class MetricsWriter:
             return
         parts = _parts(self.workdir)
         if later or parts or self.path.exists():  # local: rewritten once, so that appends follow whole lines
-            self.path.write_text("".join(_line(r) for r in records if r["step"] <= step))
+            kept = self.path.with_name(f"{METRICS}.{os.getpid()}.tmp")  # replaced whole: a kill cuts nothing short
+            kept.write_text("".join(_line(r) for r in records if r["step"] <= step))
+            os.replace(kept, self.path)
             for part in parts:
                 part.unlink()
 

@@ -1,0 +1,226 @@
+"""Interrupts at any moment (issue 41): SIGINT and SIGTERM sent to real commands when they have reached a
+phase (their first imports, the run directory locked, the first compile of the training loop, a
+checkpoint being read and scored) end each with one `error: interrupted ...` line and exit code 130
+or 143, or, inside the training loop, with the step it saved; never a traceback or a segmentation
+fault, and nothing left that a rerun would trip on. Each signal is sent once the process shows
+that it got there (its signal mask, a file, a line, a mapped file, a FIFO opened), not after a sleep.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from debug_runs import PROGRESS, checkpoint_steps, describe, module_cmd, read_metrics, train_cmd, tree_digest
+from jax_cache import ENV, ROOT
+
+EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+TIMEOUT = 180
+COPIES = 16  # of the built-in corpus that prepare tokenizes when it is stopped
+
+
+class Started:
+    """A command running in the background, its output collected as it comes (to wait for a phase)."""
+
+    def __init__(self, cmd):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.out, self.err = bytearray(), bytearray()
+        self.readers = [threading.Thread(target=self._collect, args=(s, b), daemon=True)
+                        for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _collect(stream, into: bytearray) -> None:
+        while chunk := os.read(stream.fileno(), 4096):
+            into.extend(chunk)
+
+    def stderr(self) -> str:
+        return bytes(self.err).decode(errors="replace")
+
+    def wait_for(self, reached, what: str) -> None:
+        """Returns once `reached()`; fails if the command ends first or takes longer than TIMEOUT."""
+        deadline = time.monotonic() + TIMEOUT
+        while not reached():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"never reached {what}:\n{describe(self.finish())}")
+            time.sleep(0.002)
+
+    def interrupt(self, sig) -> subprocess.CompletedProcess:
+        self.proc.send_signal(sig)
+        return self.finish()
+
+    def finish(self) -> subprocess.CompletedProcess:
+        self.proc.wait(timeout=TIMEOUT)
+        for reader in self.readers:
+            reader.join()
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode,
+                                           bytes(self.out).decode(errors="replace"), self.stderr())
+
+
+def handles_sigterm(pid: int) -> bool:
+    """Whether process `pid` catches SIGTERM (Python does not by default: deltares' handler is in)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def maps(pid: int, path: str) -> bool:
+    """Whether process `pid` has a file under `path` mapped into memory (a memmap of token data)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return path in f.read()
+    except OSError:
+        return False
+
+
+def assert_interrupted(proc, sig, doing: str = "") -> str:
+    """Exit code 128 + the signal, no traceback, and stderr is one line `error: interrupted by ...` (progress
+    bars aside); returns it."""
+    assert proc.returncode == EXIT[sig], describe(proc)
+    assert "Traceback" not in proc.stderr + proc.stdout, describe(proc)
+    lines = [line for line in re.split(r"[\r\n]+", proc.stderr) if line.strip() and not PROGRESS.match(line)]
+    assert len(lines) == 1 and lines[0].startswith(f"error: interrupted by {sig.name} while {doing}"), describe(proc)
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from deltares.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("interrupts") / "dataset"
+    prepare("builtin", "bytes", str(out), val_fraction=0.05, progress=False)
+    return str(out)
+
+
+def train_in(workdir, dataset, *extra):
+    return train_cmd(workdir, f"--config.data.dataset={dataset}", "--config.train.steps=4", "--config.train.log_every=1",
+                     *extra)
+
+
+@pytest.fixture(scope="module")
+def stopped_in_compile(dataset, tmp_path_factory):
+    """A run sent SIGINT once its loop began (its progress bar shown): inside the first step's compile."""
+    workdir = str(tmp_path_factory.mktemp("compile") / "run")
+    started = Started(train_in(workdir, dataset))
+    started.wait_for(lambda: "train:" in started.stderr(), "the training loop")
+    return workdir, started.interrupt(signal.SIGINT)
+
+
+def test_sigint_during_the_first_imports_leaves_no_run_directory(dataset, tmp_path):
+    workdir = str(tmp_path / "run")
+    started = Started(train_in(workdir, dataset))
+    started.wait_for(lambda: handles_sigterm(started.proc.pid), "the handler")
+    assert_interrupted(started.interrupt(signal.SIGINT), signal.SIGINT, "starting; nothing was written")
+    assert not os.path.exists(workdir)
+
+
+def test_sigterm_once_the_run_directory_is_locked_removes_it_again(dataset, tmp_path):
+    """Between the lock and the loop: opening the data, building the step, initialising the model."""
+    workdir = str(tmp_path / "run")
+    started = Started(train_in(workdir, dataset))
+    started.wait_for(lambda: os.path.exists(os.path.join(workdir, "LOCK")), "the lock")
+    line = assert_interrupted(started.interrupt(signal.SIGTERM), signal.SIGTERM)
+    assert line.endswith("; nothing was saved"), line
+    assert not os.path.exists(workdir)  # the lock released, the new run directory removed
+
+
+def test_sigint_during_the_first_compile_saves_step_one(stopped_in_compile):
+    workdir, proc = stopped_in_compile
+    assert proc.returncode == 0, describe(proc)
+    assert "Traceback" not in proc.stderr, describe(proc)
+    assert f"SIGINT: saved step 1 to {workdir}/checkpoints" in proc.stdout, describe(proc)
+    assert checkpoint_steps(workdir) == [1] and not os.path.exists(os.path.join(workdir, "LOCK"))
+
+
+def test_sigterm_while_resuming_changes_nothing_and_the_rerun_resumes(stopped_in_compile, dataset, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(stopped_in_compile[0], workdir)
+    before = tree_digest(workdir)
+    started = Started(train_in(workdir, dataset))
+    started.wait_for(lambda: os.path.exists(os.path.join(workdir, "LOCK")), "the lock")
+    assert_interrupted(started.interrupt(signal.SIGTERM), signal.SIGTERM)
+    assert tree_digest(workdir) == before  # no lock left, no checkpoint or record changed
+
+    rerun = subprocess.run(train_in(workdir, dataset), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    assert rerun.returncode == 0 and f"resumed {workdir} from step 1" in rerun.stderr, describe(rerun)
+    assert "warning" not in rerun.stderr, describe(rerun)  # no stale lock taken over
+    assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3, 4]
+
+
+def test_sigint_while_eval_scores(stopped_in_compile, dataset):
+    started = Started(module_cmd("deltares.eval", "--checkpoint", stopped_in_compile[0], "--data", dataset))
+    started.wait_for(lambda: maps(started.proc.pid, dataset), "the validation tokens")
+    assert_interrupted(started.interrupt(signal.SIGINT), signal.SIGINT)
+
+
+def test_sigterm_while_generate_loads_and_compiles(stopped_in_compile, tmp_path):
+    prompts = str(tmp_path / "prompts.txt")
+    os.mkfifo(prompts)
+    started = Started(module_cmd("deltares.generate", "--checkpoint", stopped_in_compile[0], "--prompt_file", prompts,
+                                 "--max_new_tokens", "64"))
+    fifo = None
+
+    def opened() -> bool:  # the prompt file is opened by generate's main, after its flags are parsed
+        nonlocal fifo
+        try:
+            fifo = os.open(prompts, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader yet
+            return False
+        return True
+
+    started.wait_for(opened, "the prompt file")
+    os.write(fifo, b"Call me Ishmael.\n")
+    os.close(fifo)
+    assert_interrupted(started.interrupt(signal.SIGTERM), signal.SIGTERM, "running")
+
+
+def test_sigint_during_prepare_imports(tmp_path):
+    out = str(tmp_path / "data")
+    started = Started(module_cmd("deltares.data.prepare", "--source", "builtin", "--tokenizer", "bytes", "--out", out))
+    started.wait_for(lambda: handles_sigterm(started.proc.pid), "the handler")
+    assert_interrupted(started.interrupt(signal.SIGINT), signal.SIGINT, "starting")
+    assert not os.path.exists(out)
+
+
+def test_sigterm_while_prepare_tokenizes_and_the_rerun_completes(dataset, tmp_path):
+    """Sixteen copies of the built-in corpus, sixteen units (a second of work or more): stopped once its
+    progress bar shows, prepared whole by the rerun."""
+    import json
+
+    from deltares.data.documents import builtin_path
+
+    for i in range(COPIES):
+        shutil.copy(builtin_path(), tmp_path / f"{i}.txt.gz")
+    out = str(tmp_path / "data")
+    cmd = module_cmd("deltares.data.prepare", "--source", str(tmp_path / "*.txt.gz"), "--tokenizer", "bytes",
+                     "--val_fraction", "0.05", "--out", out)
+    started = Started(cmd)
+    started.wait_for(lambda: f"/{COPIES} [" in started.stderr(), "tokenizing")
+    assert_interrupted(started.interrupt(signal.SIGTERM), signal.SIGTERM)
+
+    rerun = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert rerun.returncode == 0, describe(rerun)
+    one = json.load(open(os.path.join(dataset, "meta.json")))["splits"]
+    every = json.load(open(os.path.join(out, "meta.json")))["splits"]
+    assert {s: every[s]["tokens"] for s in one} == {s: COPIES * one[s]["tokens"] for s in one}
+
+
+def test_a_program_importing_deltares_keeps_its_own_signal_handling():
+    """Only a process started as a tool handles interrupts the tools' way."""
+    code = ("import signal, deltares.train; "
+            "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.stdout.split() == ["True", "True"], describe(proc)

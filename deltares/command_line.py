@@ -16,6 +16,8 @@ import sys
 
 from absl import app, flags
 
+from deltares.domains import Domain
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -111,17 +113,79 @@ def one_line(err: BaseException) -> str:
     return f"{lines[0].split(': Error whilst')[0].removesuffix(':')}: {lines[-1]}"
 
 
+def define_number(define, name: str, default, help: str, domain: Domain):
+    """`define(name, default, help)` (flags.DEFINE_integer or DEFINE_float), the help ending in the
+    allowed range, whose value (unless left unset: None) must lie in `domain`: checked as the flags
+    are parsed, before any work, so a value outside it is one `error:` line naming the flag and the
+    range. The one way every tool declares a numeric flag."""
+    holder = define(name, default, f"{help.rstrip('.')}; {domain}.")
+    flags.FLAGS[name].domain = domain  # for the tests that walk every numeric flag
+
+    def check(value) -> bool:
+        problem = None if value is None else domain.problem(value)
+        if problem:
+            raise flags.ValidationError(problem)
+        return True
+
+    flags.register_validator(name, check)
+    return holder
+
+
+def config_file_argument(argv: list[str]) -> str | None:
+    """The experiment file a `--config FILE[:ARG]` (or `--config=...`) of `argv` names, or None."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "--":
+            return None
+        if arg in ("--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1].partition(":")[0]
+        if arg.startswith(("--config=", "-config=")):
+            return arg.partition("=")[2].partition(":")[0]
+    return None
+
+
+def config_file_error(path: str) -> str | None:
+    """Why the experiment file `path` cannot be loaded, in one line naming it (a missing file, a
+    folder, unreadable text, a syntax error), or None. Checked before absl parses the flags:
+    ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
+    traceback."""
+    if not os.path.exists(path):
+        return f"--config {path}: no such file"
+    if os.path.isdir(path):
+        return f"--config {path}: is a folder, not an experiment file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            compile(f.read(), path, "exec")
+    except SyntaxError as err:
+        return f"--config {path} line {err.lineno}: {err.msg}"
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"--config {path}: {type(err).__name__}: {one_line(err)}"
+    return None
+
+
+def _flag_error(err: flags.Error) -> str:
+    """One line of absl's error: its first when several flags fail validation (one line each)."""
+    text = str(err)
+    return text.splitlines()[0] if text.startswith("flag --") else one_line(err)
+
+
 def _parse_flags(argv: list[str]):
     """absl's flag parsing, with every error one `error:` line (absl prints two, and config overrides
-    that name no field end in a traceback)."""
+    that name no field, or an experiment file that cannot be loaded, end in a traceback)."""
+    config_file = config_file_argument(argv)
+    problem = config_file and config_file_error(config_file)
+    if problem:
+        sys.exit(f"error: {problem}")
     try:
         return flags.FLAGS(argv)
     except flags.Error as err:
-        sys.exit(f"error: {one_line(err)} (--help lists the flags)")
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
-        if not any(re.match(r"^--?config\.", arg) for arg in argv[1:]):
+        sys.exit(f"error: {_flag_error(err)} (--help lists the flags)")
+    except Exception as err:  # noqa: BLE001 - a config override, or the experiment file's own code, failed
+        override = any(re.match(r"^--?config\.", arg) for arg in argv[1:])
+        if override and isinstance(err, (AttributeError, KeyError, TypeError, ValueError)):
+            sys.exit(f"error: {config_override_error(argv, err)}")
+        if not config_file:
             raise
-        sys.exit(f"error: {config_override_error(argv, err)}")
+        sys.exit(f"error: --config {config_file}: get_config failed: {type(err).__name__}: {one_line(err)}")
 
 
 def _one_line_errors(main):

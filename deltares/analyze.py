@@ -440,7 +440,7 @@ def cli() -> None:
     import side by side."""
     global _WORKDIR, _CHECKPOINT, _DATA, _OUT, _BATCH, _MAX_BATCHES
     from deltares import command_line
-    from deltares.domains import AT_LEAST_1
+    from deltares.command_line import AT_LEAST_1
 
     _WORKDIR = flags.DEFINE_multi_string("workdir", None, "A run directory (newest checkpoint); repeat for more runs.")
     _CHECKPOINT = flags.DEFINE_multi_string("checkpoint", None, "A workdir or one checkpoint step directory; repeatable.")

@@ -176,7 +176,7 @@ def cli() -> None:
     import side by side."""
     global _CONFIG, _BATCH, _SEQ, _ROUNDS, _STEPS, _MODES
     from deltares import command_line
-    from deltares.domains import AT_LEAST_1
+    from deltares.command_line import AT_LEAST_1
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py (or by name: tiny).")
     number = functools.partial(command_line.define_number, flags.DEFINE_integer)

@@ -109,7 +109,7 @@ def cli() -> None:
     import side by side."""
     global _HF, _CHECKPOINT, _OUT, _OUT_WORKDIR, _MODE, _BLOCK_LAYERS, _GATE, _NULL_SOURCE, _DTYPE, _TOKENIZER
     from deltares import command_line
-    from deltares.domains import AT_LEAST_1
+    from deltares.command_line import AT_LEAST_1
 
     _HF = flags.DEFINE_string("hf", None, "A Hugging Face Qwen3 checkpoint directory to read.")
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A deltares run directory (or step directory) to export.")

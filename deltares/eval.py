@@ -114,7 +114,7 @@ def cli() -> None:
     import side by side."""
     global _CHECKPOINT, _DATA, _BATCH, _MAX_BATCHES
     from deltares import command_line
-    from deltares.domains import AT_LEAST_1
+    from deltares.command_line import AT_LEAST_1
 
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
     _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or text files, .gz, globs "

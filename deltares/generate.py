@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from deltares.domains import AT_LEAST_1, NON_NEGATIVE, Domain
+from deltares.command_line import AT_LEAST_1, NON_NEGATIVE, Domain
 from deltares.interop.inference import load_model
 from deltares.nn.model import init_cache
 from deltares.training.checkpoint import CheckpointError

@@ -15,7 +15,7 @@ from absl import flags
 
 from debug_runs import assert_clean_error, debug_config, describe, module_cmd, tree_digest
 from deltares import command_line
-from deltares.domains import INT_LIMIT, Domain
+from deltares.command_line import INT_LIMIT, Domain
 from deltares.nn.config import MODEL_FIELDS
 from deltares.training.experiment import BASE_FIELDS, validate_config
 from jax_cache import ENV, ROOT

@@ -13,9 +13,9 @@ from __future__ import annotations
 import grain
 import numpy as np
 
+from deltares.command_line import POSITIVE
 from deltares.data.dataset import TokenData, Windows, eval_batches
 from deltares.data.documents import DataError
-from deltares.domains import POSITIVE
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:

@@ -45,6 +45,7 @@ from absl import app, flags
 from etils import epath
 from tqdm import tqdm
 
+from deltares.command_line import Domain
 from deltares.data import paths
 from deltares.data.documents import (
     BUILTIN, HF_RECORDS_PER_UNIT, UNIT_BYTES, DataError, Piece, count_documents, hf_dataset, hf_pieces, plan_units,
@@ -52,7 +53,6 @@ from deltares.data.documents import (
 )
 from deltares.data.shards import ShardWriter
 from deltares.data.tokenizer import bpe_vocab_size, dumps_meta, encode_texts, load_tokenizer, tokenizer_sha256, train_bpe
-from deltares.domains import Domain
 
 DATASET_FORMAT = 2
 READABLE_FORMATS = (1, 2)  # format 1: one train.bin / val.bin (datasets prepared before shards)
@@ -478,7 +478,7 @@ def cli() -> None:
     global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _HF_FIELD, _MAX_DOCS, _WORKERS, _SHARD
     global _NUM_SHARDS, _OVERWRITE
     from deltares import command_line
-    from deltares.domains import AT_LEAST_1, NON_NEGATIVE
+    from deltares.command_line import AT_LEAST_1, NON_NEGATIVE
 
     _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text files or globs (comma-separated), or hf:NAME.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from deltares.domains import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Domain
+from deltares.command_line import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Domain
 from deltares.nn.attention import ATTENTION_IMPLS
 from kernels_pallas.depth_route.api import IMPLEMENTATIONS as ROUTING_IMPLS  # config.model.residual.impl
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from absl import app, flags
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+flags.disclaim_key_flags()  # a flag `define_number` defines is the calling tool's (its --help lists it)
 INT_LIMIT = 2**31 - 1  # the largest integer a field or flag may hold (int32)
 
 

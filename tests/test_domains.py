@@ -84,7 +84,8 @@ def in_range(value, domain: Domain) -> bool:
 @pytest.mark.parametrize("module", absl_commands())
 def test_every_numeric_flag_refuses_values_outside_its_range_in_one_line(module, command_flags):
     numeric = numeric_flags(command_flags(module))
-    failures = []
+    listed = {f.name for f in flags.FLAGS.get_flags_for_module(module)}
+    failures = [f"--{name}: not the command's own flag (its --help leaves it out)" for name in set(numeric) - listed]
     for name, flag in numeric.items():
         domain = getattr(flag, "domain", None)
         if not isinstance(domain, Domain):

@@ -20,6 +20,7 @@ import difflib
 import functools
 import glob
 import math
+import numbers
 import os
 import re
 import sys
@@ -63,9 +64,11 @@ class Domain:
         return text + "".join(f", or {_number(v)}" for v in self.also)
 
     def problem(self, value) -> str | None:
-        """What is wrong with `value` (None: it is allowed), e.g. 'must be positive'."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        """What is wrong with `value` (None: it is allowed), e.g. 'must be positive'. NumPy numbers
+        count as Python's."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return "must be a number"
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be finite and {self}"
         if isinstance(value, int) and abs(value) > INT_LIMIT:

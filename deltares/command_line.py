@@ -228,9 +228,9 @@ def config_file_error(path: str) -> str | None:
 
 
 def _flag_error(err: flags.Error) -> str:
-    """One line of absl's error: its first when several flags fail validation (one line each)."""
-    text = str(err)
-    return text.splitlines()[0] if text.startswith("flag --") else one_line(err)
+    """One line of absl's error: the first flag's when several fail their ranges (a line each)."""
+    lines = str(err).splitlines()
+    return lines[0] if len(lines) > 1 and all(line.startswith("flag --") for line in lines) else one_line(err)
 
 
 def _parse_flags(argv: list[str]):

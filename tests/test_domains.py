@@ -115,6 +115,26 @@ def test_every_numeric_flag_refuses_values_outside_its_range_in_one_line(module,
     assert parse([module]) is None  # the defaults are in range
 
 
+def test_several_flags_out_of_range_are_one_line_naming_the_first(command_flags):
+    command_flags("deltares.generate")
+    line = parse(["deltares.generate", "--top_p=0", "--temperature=nan"])
+    assert line.startswith("error: flag --temperature=nan: must be finite and non-negative") and "\n" not in line
+
+
+def test_experiment_files_that_cannot_be_loaded_are_one_line_naming_them(command_flags, tmp_path):
+    command_flags("deltares.train")
+    (tmp_path / "syntax.py").write_text("def get_config(:\n")
+    (tmp_path / "raises.py").write_text("def get_config():\n    return 1 / 0\n")
+    debug = os.path.join(ROOT, "experiments", "debug.py")
+    cases = {str(tmp_path / "nope.py"): "nope.py: no such file", str(tmp_path): "is a folder",
+             str(tmp_path / "syntax.py"): "syntax.py line 1: invalid syntax",
+             str(tmp_path / "raises.py"): "raises.py: get_config failed: ZeroDivisionError: division by zero",
+             debug + ":deltaa": "unknown residual mode 'deltaa'"}
+    for config, words in cases.items():
+        line = parse(["deltares.train", "--config", config, "--workdir", str(tmp_path / "run")])
+        assert line and line.startswith("error: ") and "\n" not in line and words in line, (config, line)
+
+
 def numeric_fields():
     return [(f"config.{f.name}", f) for f in BASE_FIELDS] + [(f"config.model.{f.name}", f) for f in MODEL_FIELDS]
 

@@ -179,11 +179,11 @@ def cli() -> None:
     from deltares.command_line import AT_LEAST_1
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py (or by name: tiny).")
-    number = functools.partial(command_line.define_number, flags.DEFINE_integer)
-    _BATCH = number("batch", None, "Sequences per step (default: config.train.global_batch).", AT_LEAST_1)
-    _SEQ = number("seq_len", None, "Tokens per sequence (default: config.data.seq_len).", AT_LEAST_1)
-    _ROUNDS = number("rounds", 5, "Interleaved timing rounds.", AT_LEAST_1)
-    _STEPS = number("steps", 4, "Timed steps per mode per round.", AT_LEAST_1)
+    integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
+    _BATCH = integer("batch", None, "Sequences per step (default: config.train.global_batch).", AT_LEAST_1)
+    _SEQ = integer("seq_len", None, "Tokens per sequence (default: config.data.seq_len).", AT_LEAST_1)
+    _ROUNDS = integer("rounds", 5, "Interleaved timing rounds.", AT_LEAST_1)
+    _STEPS = integer("steps", 4, "Timed steps per mode per round.", AT_LEAST_1)
     _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
     command_line.run(main)
 

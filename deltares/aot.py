@@ -61,6 +61,7 @@ from deltares import command_line
 from deltares.training.compile_only import (  # noqa: F401 - re-exported: the tool's public names
     EXAMPLE_TOPOLOGIES,
     AotError,
+    check_config,
     mesh_config,
     parse_topology,
     step_mesh,
@@ -223,6 +224,7 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
     "h200") and returns the report (see module doc)."""
     from deltares.training.metrics import model_flops_per_token
 
+    check_config(cfg)
     devices = _gpu_devices(gpu) if gpu else topology_devices(topology)
     mesh = step_mesh(cfg, devices, topology or gpu, mesh_override)
     global_batch, seq_len = cfg.train.global_batch, cfg.data.seq_len

@@ -19,6 +19,7 @@ covers all modes together, since their states stay alive between rounds.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -30,6 +31,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from deltares.nn.config import MODES
+from deltares.training.experiment import validate_config
 from deltares.training.memory import compiled_bytes, device_peak_bytes
 from deltares.training.metrics import mfu, model_flops_per_token, peak_flops_per_device
 from deltares.training.sharding import make_mesh, shard_batch
@@ -86,6 +88,7 @@ def benchmark(cfg, modes, batch: int, seq_len: int, rounds: int, steps: int) -> 
     """{mode: ModeResult} for the train step of `cfg` in each mode (see the module docstring)."""
     if rounds < 1 or steps < 1 or batch < 1 or seq_len < 1:
         raise BenchError("--batch, --seq_len, --rounds and --steps must be positive")
+    validate_config(cfg)  # every field's type, choices and range, before anything is compiled
     cfgs = {mode: mode_config(cfg, mode, batch, seq_len) for mode in modes}  # checks every mode first
     mesh = make_mesh(cfg.mesh)
     tokens_BT = np.random.default_rng(1).integers(0, cfg.model.vocab_size, (batch, seq_len + 1), dtype=np.int32)
@@ -172,14 +175,16 @@ def cli() -> None:
     """The command line (`python -m deltares.bench`, `deltares-bench`); flags only here, so modules
     import side by side."""
     global _CONFIG, _BATCH, _SEQ, _ROUNDS, _STEPS, _MODES
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py (or by name: tiny).")
-    _BATCH = flags.DEFINE_integer("batch", None, "Sequences per step (default: config.train.global_batch).")
-    _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default: config.data.seq_len).")
-    _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
-    _STEPS = flags.DEFINE_integer("steps", 4, "Timed steps per mode per round.")
-    _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
     from deltares import command_line
+    from deltares.command_line import AT_LEAST_1
 
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py (or by name: tiny).")
+    integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
+    _BATCH = integer("batch", None, "Sequences per step (default: config.train.global_batch).", AT_LEAST_1)
+    _SEQ = integer("seq_len", None, "Tokens per sequence (default: config.data.seq_len).", AT_LEAST_1)
+    _ROUNDS = integer("rounds", 5, "Interleaved timing rounds.", AT_LEAST_1)
+    _STEPS = integer("steps", 4, "Timed steps per mode per round.", AT_LEAST_1)
+    _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
     command_line.run(main)
 
 

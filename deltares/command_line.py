@@ -1,5 +1,14 @@
 """What every command-line tool does before it parses its flags (`python -m deltares.<tool>` and the
-`deltares-<tool>` console scripts share one entry function that ends in `run`).
+`deltares-<tool>` console scripts share one entry function that ends in `run`), and the range of
+every number a user gives (`Domain`: a config field's, a flag's), declared once per number.
+
+A `Domain` is an interval with optional ends, open or closed, plus a few special values (`-1`
+for a mesh axis that takes the remaining devices). Every float must be finite and every integer
+must fit in 32 bits (shapes, steps and seeds end up in int32 arrays), whatever the interval says:
+`nan` compares false with everything, so an interval check alone would let it through.
+`problem(value)` says what is wrong ("must be ..."), `str(domain)` what is allowed (help texts, the
+config reference). The config schema (deltares.nn.config, deltares.training.experiment) and every
+tool's numeric flags (`define_number`) use it; it imports nothing heavy.
 
 Nothing here happens on `import deltares`: the environment of a program that uses the library is
 left as it is; only the tools change their own process's environment.
@@ -11,16 +20,74 @@ import contextlib
 import difflib
 import functools
 import glob
+import math
+import numbers
 import os
 import re
 import signal
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 
 from absl import app, flags
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+flags.disclaim_key_flags()  # a flag `define_number` defines is the calling tool's (its --help lists it)
+INT_LIMIT = 2**31 - 1  # the largest integer a field or flag may hold (int32)
+
+
+def _number(x: float) -> str:
+    """`x` as written in a range: 1 not 1.0, 2147483647 in full."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The numbers in `[low, high]` (`None`: no bound on that side; `low_open`/`high_open`: the end
+    itself excluded), and also the values in `also`."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple = ()
+
+    def __str__(self) -> str:
+        lo, hi = self.low, self.high
+        if hi is None and lo == 0:
+            text = "positive" if self.low_open else "non-negative"
+        elif hi is None and lo is not None:
+            text = f"{'greater than' if self.low_open else 'at least'} {_number(lo)}"
+        elif lo is None and hi is not None:
+            text = f"{'less than' if self.high_open else 'at most'} {_number(hi)}"
+        elif lo is None:
+            text = "any finite number"
+        else:
+            text = f"in {'(' if self.low_open else '['}{_number(lo)}, {_number(hi)}{')' if self.high_open else ']'}"
+        return text + "".join(f", or {_number(v)}" for v in self.also)
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value` (None: it is allowed), e.g. 'must be positive'. NumPy numbers
+        count as Python's."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return "must be a number"
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be finite and {self}"
+        if isinstance(value, int) and abs(value) > INT_LIMIT:
+            return f"must be a 32-bit integer (at most {INT_LIMIT} in size), {self}"
+        if value in self.also:
+            return None
+        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        high_ok = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return None if low_ok and high_ok else f"must be {self}"
+
+
+POSITIVE = Domain(0, low_open=True)  # > 0; for integers: at least 1
+NON_NEGATIVE = Domain(0)
+AT_LEAST_1 = Domain(1)
+MESH_AXIS = Domain(1, also=(-1,))  # a device mesh axis: its size, or -1 for the remaining devices
 
 
 def tpu_chips_present() -> bool:
@@ -115,17 +182,79 @@ def one_line(err: BaseException) -> str:
     return f"{lines[0].split(': Error whilst')[0].removesuffix(':')}: {lines[-1]}"
 
 
+def define_number(define, name: str, default, help: str, domain: Domain):
+    """`define(name, default, help)` (flags.DEFINE_integer or DEFINE_float), the help ending in the
+    allowed range, whose value (unless left unset: None) must lie in `domain`: checked as the flags
+    are parsed, before any work, so a value outside it is one `error:` line naming the flag and the
+    range. The one way every tool declares a numeric flag."""
+    holder = define(name, default, f"{help.rstrip('.')}; {domain}.")
+    flags.FLAGS[name].domain = domain  # for the tests that walk every numeric flag
+
+    def check(value) -> bool:
+        problem = None if value is None else domain.problem(value)
+        if problem:
+            raise flags.ValidationError(problem)
+        return True
+
+    flags.register_validator(name, check)
+    return holder
+
+
+def config_file_argument(argv: list[str]) -> str | None:
+    """The experiment file a `--config FILE[:ARG]` (or `--config=...`) of `argv` names, or None."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "--":
+            return None
+        if arg in ("--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1].partition(":")[0]
+        if arg.startswith(("--config=", "-config=")):
+            return arg.partition("=")[2].partition(":")[0]
+    return None
+
+
+def config_file_error(path: str) -> str | None:
+    """Why the experiment file `path` cannot be loaded, in one line naming it (a missing file, a
+    folder, unreadable text, a syntax error), or None. Checked before absl parses the flags:
+    ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
+    traceback."""
+    if not os.path.exists(path):
+        return f"--config {path}: no such file"
+    if os.path.isdir(path):
+        return f"--config {path}: is a folder, not an experiment file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            compile(f.read(), path, "exec")
+    except SyntaxError as err:
+        return f"--config {path} line {err.lineno}: {err.msg}"
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"--config {path}: {type(err).__name__}: {one_line(err)}"
+    return None
+
+
+def _flag_error(err: flags.Error) -> str:
+    """One line of absl's error: the first flag's when several fail their ranges (a line each)."""
+    lines = str(err).splitlines()
+    return lines[0] if len(lines) > 1 and all(line.startswith("flag --") for line in lines) else one_line(err)
+
+
 def _parse_flags(argv: list[str]):
     """absl's flag parsing, with every error one `error:` line (absl prints two, and config overrides
-    that name no field end in a traceback)."""
+    that name no field, or an experiment file that cannot be loaded, end in a traceback)."""
+    config_file = config_file_argument(argv)
+    problem = config_file and config_file_error(config_file)
+    if problem:
+        sys.exit(f"error: {problem}")
     try:
         return flags.FLAGS(argv)
     except flags.Error as err:
-        sys.exit(f"error: {one_line(err)} (--help lists the flags)")
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
-        if not any(re.match(r"^--?config\.", arg) for arg in argv[1:]):
+        sys.exit(f"error: {_flag_error(err)} (--help lists the flags)")
+    except Exception as err:  # noqa: BLE001 - a config override, or the experiment file's own code, failed
+        override = any(re.match(r"^--?config\.", arg) for arg in argv[1:])
+        if override and isinstance(err, (AttributeError, KeyError, TypeError, ValueError)):
+            sys.exit(f"error: {config_override_error(argv, err)}")
+        if not config_file:
             raise
-        sys.exit(f"error: {config_override_error(argv, err)}")
+        sys.exit(f"error: --config {config_file}: get_config failed: {type(err).__name__}: {one_line(err)}")
 
 
 def _one_line_errors(main):

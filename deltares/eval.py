@@ -113,14 +113,17 @@ def cli() -> None:
     """The command line (`python -m deltares.eval`, `deltares-eval`); flags only here, so modules
     import side by side."""
     global _CHECKPOINT, _DATA, _BATCH, _MAX_BATCHES
+    from deltares import command_line
+    from deltares.command_line import AT_LEAST_1
+
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
     _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or text files, .gz, globs "
                                 "(comma-separated), as prepare's --source.")
-    _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per evaluation batch.")
-    _MAX_BATCHES = flags.DEFINE_integer("max_batches", None, "Score only the first N batches of the trainer's "
-                                        "validation windows (bits per byte at the mean bytes per token).")
-    from deltares import command_line
-
+    _BATCH = command_line.define_number(flags.DEFINE_integer, "batch", 8, "Sequences per evaluation batch.",
+                                        AT_LEAST_1)
+    _MAX_BATCHES = command_line.define_number(
+        flags.DEFINE_integer, "max_batches", None, "Score only the first N batches of the trainer's validation "
+        "windows (bits per byte at the mean bytes per token); unset: every token", AT_LEAST_1)
     command_line.run(main)
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from deltares.command_line import AT_LEAST_1, NON_NEGATIVE, Domain
 from deltares.interop.inference import load_model
 from deltares.nn.model import init_cache
 from deltares.training.checkpoint import CheckpointError
@@ -39,6 +40,14 @@ class Sampling(NamedTuple):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+
+
+# The numbers of a request (`generate`'s arguments, the command's flags): temperature 0 is greedy,
+# top_k 0 keeps every token, top_p 1 the whole mass (0 would keep none).
+REQUEST_DOMAINS = {
+    "max_new_tokens": AT_LEAST_1, "min_new_tokens": NON_NEGATIVE, "num_samples": AT_LEAST_1,
+    "temperature": NON_NEGATIVE, "top_k": NON_NEGATIVE, "top_p": Domain(0, 1, low_open=True), "seed": NON_NEGATIVE,
+}
 
 
 class Continuation(NamedTuple):
@@ -115,7 +124,8 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int, mi
     `max_new_tokens`), at any of the `stop` strings (needs
     `tokenizer`; the text is cut before it, as lm-eval's generate_until expects), or after
     `max_new_tokens`."""
-    _check_request(prompts, max_new_tokens, min_new_tokens, num_samples)
+    _check_request(prompts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_samples=num_samples,
+                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     stop = [s for s in (stop or []) if s]
     if stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
@@ -160,18 +170,17 @@ def generate(model, params, prompts: list[list[int]], *, max_new_tokens: int, mi
     return [Continuation(o, t) for o, t in zip(out, text)]
 
 
-def _check_request(prompts, max_new_tokens: int, min_new_tokens: int, num_samples: int) -> None:
-    """ValueError naming what is wrong with a `generate` request."""
+def _check_request(prompts, **numbers) -> None:
+    """ValueError naming what is wrong with a `generate` request (its prompts, its `numbers` by
+    REQUEST_DOMAINS)."""
     if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer)):
         raise ValueError("prompts must be a list of token-id lists (a batch), not one list of ids")
     if not prompts or any(not len(p) for p in prompts):
         raise ValueError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    if min_new_tokens < 0:
-        raise ValueError(f"min_new_tokens={min_new_tokens} must be at least 0")
-    if num_samples < 1:
-        raise ValueError(f"num_samples={num_samples} must be at least 1")
+    for name, value in numbers.items():
+        problem = REQUEST_DOMAINS[name].problem(value)
+        if problem:
+            raise ValueError(f"{name}={value} {problem}")
 
 
 def fit_context(prompts: list[list[int]], context: int) -> tuple[list[list[int]], list[str]]:
@@ -244,21 +253,24 @@ def cli() -> None:
     """The command line (`python -m deltares.generate`, `deltares-generate`); flags only here, so modules
     import side by side."""
     global _CHECKPOINT, _PROMPT, _PROMPT_FILE, _MAX_NEW, _MIN_NEW, _TEMP, _TOP_K, _TOP_P, _STOP, _NUM, _SEED
+    from deltares import command_line
+
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run directory, step directory or Hugging Face directory.")
     _PROMPT = flags.DEFINE_multi_string("prompt", None, "The text to continue; give it several times for a batch.")
     _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Prompts, one per line (a .jsonl file: one JSON string "
                                        'or {"prompt": ...} per line).')
-    _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 100, "Tokens to generate at most.")
-    _MIN_NEW = flags.DEFINE_integer("min_new_tokens", 0, "End-of-text is not sampled before this many tokens.")
-    _TEMP = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
-    _TOP_K = flags.DEFINE_integer("top_k", 50, "Sample among the k most likely tokens (0: all).")
-    _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass (1: all).")
+    integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
+    number = functools.partial(command_line.define_number, flags.DEFINE_float)
+    _MAX_NEW = integer("max_new_tokens", 100, "Tokens to generate at most.", REQUEST_DOMAINS["max_new_tokens"])
+    _MIN_NEW = integer("min_new_tokens", 0, "End-of-text is not sampled before this many tokens.",
+                       REQUEST_DOMAINS["min_new_tokens"])
+    _TEMP = number("temperature", 0.8, "Sampling temperature (0: greedy).", REQUEST_DOMAINS["temperature"])
+    _TOP_K = integer("top_k", 50, "Sample among the k most likely tokens (0: all).", REQUEST_DOMAINS["top_k"])
+    _TOP_P = number("top_p", 0.95, "Nucleus sampling mass (1: all).", REQUEST_DOMAINS["top_p"])
     _STOP = flags.DEFINE_multi_string("stop", None, "Stop a continuation at this string (cut from the output); "
                                       "may be given several times; \\n and \\t are a newline and a tab.")
-    _NUM = flags.DEFINE_integer("num_samples", 1, "Continuations to sample per prompt.")
-    _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
-    from deltares import command_line
-
+    _NUM = integer("num_samples", 1, "Continuations to sample per prompt.", REQUEST_DOMAINS["num_samples"])
+    _SEED = integer("seed", 0, "Random seed.", REQUEST_DOMAINS["seed"])
     command_line.run(main)
 
 

@@ -32,6 +32,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from deltares.command_line import AT_LEAST_1
 from deltares.nn.config import DTYPES
 from deltares.generate import bucket, generate
 from deltares.interop.inference import load_model
@@ -63,6 +64,10 @@ class DeltaresLM(TemplateLM):
                              "batch_size, max_batch_size, max_length, dtype)")
         del device  # JAX places the model on its default devices
         self.batch_size = parse_batch_size(batch_size)
+        for name, value in (("max_length", max_length), ("max_batch_size", max_batch_size)):
+            problem = value is not None and AT_LEAST_1.problem(value)
+            if problem:
+                raise ValueError(f"{name}={value!r}: {problem}")
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: allowed {', '.join(DTYPES)}")
         loaded = load_model(checkpoint)

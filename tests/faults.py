@@ -422,6 +422,25 @@ def nothing_destroyed(bench):
     return rows
 
 
+# issue 41: argument domains
+
+
+def argument_domains(bench):
+    """Arguments outside their ranges and experiment files that cannot be loaded (the command lines of
+    tests/test_domains.py): each refused in one `error:` line before any work, nothing written."""
+    import test_domains as td
+
+    tmp = __import__("pathlib").Path(bench.dir("domains"))
+    tmp.mkdir()
+    cases = td.bad_arguments(tmp)
+    before = tree_digest(bench.root)
+    rows = [row(f"argument: {name}", run(module_cmd(*args), env=env)) for name, args, _, env in cases]
+    changed = sorted(set(before.items()) ^ set(tree_digest(bench.root).items()))
+    for r in rows:
+        r["lost"] = "no" if not changed else f"YES ({len(changed)} files changed)"
+    return rows
+
+
 FAULTS = {
     "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),
     "sigkill during training": lambda b: interrupted(b, "sigkill during training", signal.SIGKILL),
@@ -455,6 +474,8 @@ FAULTS = {
                                                                 "the first compile"),
     "sigterm while resuming a finished run": lambda b: interrupted_at(
         b, "sigterm while resuming a finished run", signal.SIGTERM, "the lock taken", b.finished_copy("resuming")),
+    # issue 41: argument domains
+    "argument domains": argument_domains,
 }
 
 

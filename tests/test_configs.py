@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from deltares.command_line import Domain
 from deltares.training.experiment import parse_variant
 from deltares.nn.model import Transformer
 
@@ -368,8 +369,10 @@ def test_wrong_type_or_disallowed_value_names_the_field(name):
     bad_values = [WRONG_TYPE[field.type]]
     if isinstance(field.allowed, tuple):
         bad_values.append("not_" + str(field.allowed[0]))
-    elif field.allowed in ("positive", "non-negative"):
-        bad_values.append(-1)
+    elif isinstance(field.allowed, Domain):  # every probe outside the range (tests/test_domains.py walks more)
+        probes = (-1, 0, 10**30) if field.type is int else (-1.0, 0.0, math.nan, math.inf)
+        bad_values += [v for v in probes if field.allowed.problem(v)]
+        assert bad_values[1:], f"{name}: no probe outside {field.allowed}"
     for bad in bad_values:
         tree = _full_config().to_dict()
         *sections, key = name[len("config."):].split(".")

@@ -193,6 +193,13 @@ def test_harness_scores_like_the_model(lm):
 # ----------------------------------------------------------------------------- command line
 
 
+def test_model_arguments_outside_their_range_are_refused_before_loading():
+    for name in ("max_length", "max_batch_size"):
+        for bad in (0, -1, float("nan"), float("inf"), 10**30, "many"):
+            with pytest.raises(ValueError, match=f"{name}="):
+                DeltaresLM(checkpoint="/nonexistent", **{name: bad})
+
+
 def test_harness_cli_runs_a_local_task(converted_run_dir, tmp_path):
     proc = run_module("deltares.harness", "--model", "deltares", "--model_args", f"checkpoint={converted_run_dir}",
                       "--tasks", "deltares_tiny", "--include_path", "tests/lm_eval_tasks", "--batch_size", "auto",

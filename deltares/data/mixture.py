@@ -13,6 +13,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
+from deltares.command_line import POSITIVE
 from deltares.data.dataset import TokenData, Windows, eval_batches
 from deltares.data.documents import DataError
 
@@ -25,10 +26,10 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
         try:
             value = float(weight)
         except ValueError:
-            value = -1.0
-        if not sep or not path or not value > 0:
-            raise DataError(f"config.data.mixture: {part!r} is not DIR=WEIGHT with a positive weight "
-                            "(e.g. data/web=0.7,data/books=0.3)")
+            value = None
+        if not sep or not path or value is None or POSITIVE.problem(value):
+            raise DataError(f"config.data.mixture: {part!r} is not DIR=WEIGHT with a weight that is finite and "
+                            f"{POSITIVE} (e.g. data/web=0.7,data/books=0.3)")
         pairs.append((path, value))
     if len(pairs) < 2:
         raise DataError(f"config.data.mixture={spec!r}: a mixture needs at least two sources")

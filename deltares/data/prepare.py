@@ -51,6 +51,7 @@ from absl import app, flags
 from etils import epath
 from tqdm import tqdm
 
+from deltares.command_line import Domain
 from deltares.data import paths
 from deltares.data.documents import (
     BUILTIN, HF_RECORDS_PER_UNIT, UNIT_BYTES, DataError, Piece, count_documents, hf_dataset, hf_pieces, plan_units,
@@ -65,6 +66,7 @@ SPLITS = ("train", "val")
 BPE_SAMPLE_DOCS = 20000
 BPE_SAMPLE_BYTES = 256 << 20
 ENCODE_BATCH_BYTES = 512 << 10
+VAL_FRACTION = Domain(0, 0.5, low_open=True, high_open=True)  # --val_fraction: some of both splits
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -353,8 +355,9 @@ def prepare(
 ) -> dict | None:
     """Tokenizes `source` into `out_dir` (see the module docstring); returns the metadata, or None when
     other shards' units are still to do (another host writes meta.json)."""
-    if not 0 < val_fraction < 0.5:
-        raise DataError(f"val_fraction={val_fraction} must be in (0, 0.5)")
+    problem = VAL_FRACTION.problem(val_fraction)
+    if problem:
+        raise DataError(f"val_fraction={val_fraction} {problem}")
     if workers < 1 or num_shards < 1 or not 0 <= shard < num_shards:
         raise DataError(f"need workers >= 1 and 0 <= shard < num_shards (got {workers}, {shard}, {num_shards})")
     if max_docs is not None and max_docs < 1:
@@ -499,22 +502,25 @@ def cli() -> None:
     import side by side."""
     global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _HF_FIELD, _MAX_DOCS, _WORKERS, _SHARD
     global _NUM_SHARDS, _OVERWRITE
+    from deltares import command_line
+    from deltares.command_line import AT_LEAST_1, NON_NEGATIVE
+
     _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text files or globs (comma-separated), or hf:NAME.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
     _OUT = flags.DEFINE_string("out", None, "Output directory (a local path or a gs:// or s3:// URL).")
-    _VAL = flags.DEFINE_float("val_fraction", 0.02, "Fraction of documents held out for validation (by hash).")
+    _VAL = command_line.define_number(flags.DEFINE_float, "val_fraction", 0.02,
+                                      "Fraction of documents held out for validation (by hash).", VAL_FRACTION)
     _HF_CONFIG = flags.DEFINE_string("hf_config", None, "Hugging Face dataset configuration name.")
     _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to stream.")
     _HF_FIELD = flags.DEFINE_string("hf_field", "text", "Record field holding the text.")
-    _MAX_DOCS = flags.DEFINE_integer("max_docs", None, "Keep the first N documents of the source (held-out ones "
-                                     "included; a Hugging Face record is a document).")
-    _WORKERS = flags.DEFINE_integer("workers", 1, "Processes tokenizing units at once.")
-    _SHARD = flags.DEFINE_integer("shard", 0, "This host's share of the units: I of --num_shards.")
-    _NUM_SHARDS = flags.DEFINE_integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).")
+    integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
+    _MAX_DOCS = integer("max_docs", None, "Keep the first N documents of the source (held-out ones included; a "
+                        "Hugging Face record is a document).", AT_LEAST_1)
+    _WORKERS = integer("workers", 1, "Processes tokenizing units at once.", AT_LEAST_1)
+    _SHARD = integer("shard", 0, "This host's share of the units: I of --num_shards (less than it).", NON_NEGATIVE)
+    _NUM_SHARDS = integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).", AT_LEAST_1)
     _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (a dataset of other input, or "
                                    "anything else): built beside it in <out>.partial, swapped in when complete.")
-    from deltares import command_line
-
     command_line.run(main)
 
 

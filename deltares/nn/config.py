@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from deltares.command_line import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Domain
 from deltares.nn.attention import ATTENTION_IMPLS
 from kernels_pallas.depth_route.api import IMPLEMENTATIONS as ROUTING_IMPLS  # config.model.residual.impl
 
@@ -34,13 +35,11 @@ REMAT_POLICIES = {
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("routed_input")),
 }
-POSITIVE = "positive"  # Field.allowed for a number > 0
-NON_NEGATIVE = "non-negative"
 
 
 class Field(NamedTuple):
     """One config field, declared once: dotted `name`, `default` (None: unset, a typed
-    placeholder), `type`, `allowed` (a tuple of values, POSITIVE, NON_NEGATIVE or None: any)
+    placeholder), `type`, `allowed` (a tuple of values, a `Domain` of numbers, or None: any)
     and `help`."""
 
     name: str
@@ -51,13 +50,13 @@ class Field(NamedTuple):
 
 
 MODEL_FIELDS = (
-    Field("vocab_size", 151936, int, POSITIVE, "vocabulary size (embedding and LM head rows)"),
-    Field("d_model", 1024, int, POSITIVE, "model width D"),
-    Field("n_layers", 28, int, POSITIVE, "decoder layers (an attention and an MLP sublayer each)"),
-    Field("n_heads", 16, int, POSITIVE, "query heads"),
-    Field("n_kv_heads", 8, int, POSITIVE, "key/value heads (grouped-query attention); divides n_heads"),
-    Field("head_dim", 128, int, POSITIVE, "width of one attention head"),
-    Field("d_ff", 3072, int, POSITIVE, "MLP (SwiGLU) hidden width"),
+    Field("vocab_size", 151936, int, AT_LEAST_1, "vocabulary size (embedding and LM head rows)"),
+    Field("d_model", 1024, int, AT_LEAST_1, "model width D"),
+    Field("n_layers", 28, int, AT_LEAST_1, "decoder layers (an attention and an MLP sublayer each)"),
+    Field("n_heads", 16, int, AT_LEAST_1, "query heads"),
+    Field("n_kv_heads", 8, int, AT_LEAST_1, "key/value heads (grouped-query attention); divides n_heads"),
+    Field("head_dim", 128, int, AT_LEAST_1, "width of one attention head"),
+    Field("d_ff", 3072, int, AT_LEAST_1, "MLP (SwiGLU) hidden width"),
     Field("rope_theta", 1e6, float, POSITIVE, "rotary embedding base"),
     Field("norm_eps", 1e-6, float, POSITIVE, "RMSNorm epsilon (also the depth routers' key norm)"),
     Field("tie_embeddings", True, bool, None, "the LM head is the embedding's transpose"),
@@ -77,14 +76,14 @@ MODEL_FIELDS = (
           "chunk's logits are computed (and recomputed for the gradient) on their own, never all [B, T, V]; "
           "0 or at least seq_len: the plain loss"),
     Field("residual.mode", "delta_block", str, MODES, "residual scheme (docs/explanations/modes.md)"),
-    Field("residual.block_layers", 4, int, POSITIVE, "layers per block of the block modes; at most n_layers"),
+    Field("residual.block_layers", 4, int, AT_LEAST_1, "layers per block of the block modes; at most n_layers"),
     Field("residual.include_partial", True, bool, None, "route over the current block's partial sum too"),
     Field("residual.group_layers", 0, int, NON_NEGATIVE, "two-phase grouped routing (unrolled layers, or the "
           "store-once scan of scanned layers under remat; same math): the sources completed before each group of "
           "this many layers (at most: a divisor of block_layers in block modes, of n_layers otherwise) are routed in "
           "one pass for all its sublayers (with impl pallas: the fused K-query kernel); 0 (default): one pass per "
           "sublayer (which is faster where routers read few sources, see docs/explanations/performance.md)"),
-    Field("residual.scan_segments", 1, int, POSITIVE, "the store-once layer scan (scanned layers, remat) as at most "
+    Field("residual.scan_segments", 1, int, AT_LEAST_1, "the store-once layer scan (scanned layers, remat) as at most "
           "this many scans of consecutive layers (block modes: whole blocks), each router reading only the source "
           "slots its segment can have written (docs/explanations/performance.md: fewer bytes, more compiled bodies); 1 "
           "(default): one scan, every router reading all slots (masked)"),
@@ -172,10 +171,10 @@ def check_fields(fields, cfg, prefix: str) -> None:
             ok, want = isinstance(value, f.type), f"must be a {f.type.__name__}"
         if not ok:
             _fail(prefix, f.name, value, want)
-        if f.allowed == POSITIVE and not value > 0:
-            _fail(prefix, f.name, value, "must be positive")
-        elif f.allowed == NON_NEGATIVE and not value >= 0:
-            _fail(prefix, f.name, value, "must be non-negative")
+        number = float(value) if f.type is float else value  # an integer given for a float is a float
+        problem = f.allowed.problem(number) if isinstance(f.allowed, Domain) else None
+        if problem:
+            _fail(prefix, f.name, value, problem)
         elif isinstance(f.allowed, tuple) and value not in f.allowed:
             _fail(prefix, f.name, value, f"allowed: {', '.join(map(str, f.allowed))}")
 
@@ -184,7 +183,7 @@ def describe(fields, prefix: str) -> str:
     """A Markdown table of `fields`: name, type, default, allowed, help (for --helpconfig)."""
     lines = ["| field | type | default | allowed | help |", "|---|---|---|---|---|"]
     for f in fields:
-        allowed = ", ".join(map(str, f.allowed)) if isinstance(f.allowed, tuple) else (f.allowed or "")
+        allowed = ", ".join(map(str, f.allowed)) if isinstance(f.allowed, tuple) else str(f.allowed or "")
         default = "unset" if f.default is None else repr(f.default)
         lines.append(f"| {prefix}{f.name} | {f.type.__name__} | {default} | {allowed} | {f.help} |")
     return "\n".join(lines)

@@ -19,6 +19,17 @@ class AotError(RuntimeError):
     """A problem with the request (topology, config, mesh); the message says which."""
 
 
+def check_config(cfg) -> None:
+    """AotError naming the first field of `cfg` outside the schema (its type, choices or range):
+    checked before any device is made or anything compiled."""
+    from deltares.training.experiment import validate_config
+
+    try:
+        validate_config(cfg)
+    except ValueError as err:
+        raise AotError(str(err)) from None
+
+
 def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
     """'v5p:2x2x2' -> ('v5p', (2, 2, 2)); raises AotError on anything else."""
     match = _TOPOLOGY_RE.match(name.strip())

@@ -10,9 +10,10 @@ from __future__ import annotations
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from deltares.command_line import AT_LEAST_1, MESH_AXIS, NON_NEGATIVE, POSITIVE, Domain
 from deltares.nn.config import (
-    BLOCK_MODES, MODEL_FIELDS, MODES, NON_NEGATIVE, POSITIVE, Field, build_config, check_fields, describe, model_config,
-    validate_model_config, with_defaults,
+    BLOCK_MODES, MODEL_FIELDS, MODES, Field, build_config, check_fields, describe, model_config, validate_model_config,
+    with_defaults,
 )
 from deltares.training.optim import DECAY_MASKS
 
@@ -64,37 +65,39 @@ PAPER_RECIPE = dict(
 )
 
 
+BETA = Domain(0, 1, high_open=True)  # an AdamW moment decay: 1 would divide by zero in the bias correction
+
 # Every field of an experiment except `model` (deltares.nn.config.MODEL_FIELDS), declared once.
 # A default of None is an unset field (a typed placeholder, still overridable from the command line).
 BASE_FIELDS = (
     Field("scale", "", str, None, "the experiment's scale name (experiments/<scale>.py)"),
-    Field("seed", 0, int, None, "parameter initialisation and data order"),
+    Field("seed", 0, int, NON_NEGATIVE, "parameter initialisation and data order"),
     Field("init_from", "", str, None, "a workdir or checkpoint directory to take parameters from"),
     Field("init_from_hf", "", str, None, "a Hugging Face Qwen3 directory to take parameters from "
           "(deltares.interop.hf)"),
     Field("force", False, bool, None, "resume a workdir whose checkpoint has another config"),
-    Field("mesh.data", 1, int, None, "device mesh: data-parallel ways (-1: the remaining devices)"),
-    Field("mesh.fsdp", -1, int, None, "device mesh: FSDP ways (-1: the remaining devices)"),
-    Field("mesh.tensor", 1, int, None, "device mesh: tensor-parallel ways (-1: the remaining devices)"),
+    Field("mesh.data", 1, int, MESH_AXIS, "device mesh: data-parallel ways (-1: the remaining devices)"),
+    Field("mesh.fsdp", -1, int, MESH_AXIS, "device mesh: FSDP ways (-1: the remaining devices)"),
+    Field("mesh.tensor", 1, int, MESH_AXIS, "device mesh: tensor-parallel ways (-1: the remaining devices)"),
     Field("data.dataset", "builtin", str, None, "a prepared dataset directory, or builtin (Moby-Dick, prepared "
           "into the workdir)"),
     Field("data.mixture", "", str, None, "several prepared datasets in proportion, DIR=WEIGHT,DIR=WEIGHT "
           "(deltares.data.mixture); replaces data.dataset"),
     Field("data.tokenizer", "bpe:4096", str, None, "used only to prepare the built-in corpus; init_from_hf: the "
           "checkpoint's"),
-    Field("data.seq_len", 256, int, POSITIVE, "tokens per sequence"),
+    Field("data.seq_len", 256, int, AT_LEAST_1, "tokens per sequence"),
     Field("data.prefetch", 4, int, NON_NEGATIVE, "batches prepared ahead"),
     Field("data.document_mask", False, bool, None, "attention stays inside each document of a window and positions "
           "restart per document (segments from end-of-text); off: documents see their predecessors"),
-    Field("train.global_batch", 8, int, POSITIVE, "sequences per step, over all devices"),
-    Field("train.micro_batches", 1, int, POSITIVE, "gradient accumulation: global_batch splits into this many"),
-    Field("train.steps", 1000, int, POSITIVE, "optimizer steps"),
-    Field("train.log_every", 10, int, POSITIVE, "steps between logged metrics"),
-    Field("train.eval_every", 100, int, POSITIVE, "steps between evaluations"),
-    Field("train.eval_batches", 20, int, NON_NEGATIVE, "batches per evaluation"),
+    Field("train.global_batch", 8, int, AT_LEAST_1, "sequences per step, over all devices"),
+    Field("train.micro_batches", 1, int, AT_LEAST_1, "gradient accumulation: global_batch splits into this many"),
+    Field("train.steps", 1000, int, AT_LEAST_1, "optimizer steps"),
+    Field("train.log_every", 10, int, AT_LEAST_1, "steps between logged metrics"),
+    Field("train.eval_every", 100, int, AT_LEAST_1, "steps between evaluations"),
+    Field("train.eval_batches", 20, int, NON_NEGATIVE, "batches per evaluation (0: the whole validation split)"),
     Field("train.stats_every", 100, int, NON_NEGATIVE, "steps between routing statistics (0: off)"),
-    Field("train.checkpoint_every", 100, int, POSITIVE, "steps between checkpoints"),
-    Field("train.keep_last", 3, int, POSITIVE, "checkpoints kept"),
+    Field("train.checkpoint_every", 100, int, AT_LEAST_1, "steps between checkpoints"),
+    Field("train.keep_last", 3, int, AT_LEAST_1, "checkpoints kept"),
     Field("train.keep_every", 0, int, NON_NEGATIVE, "also keep every checkpoint whose step is a multiple (0: off)"),
     Field("train.resume_step", None, int, NON_NEGATIVE, "resume from this checkpoint step (newer steps are moved "
           "to <workdir>/checkpoints_aside/); unset: the newest usable step"),
@@ -112,8 +115,8 @@ BASE_FIELDS = (
     Field("optim.lr_min", 6e-5, float, NON_NEGATIVE, "learning rate at the end of the cosine"),
     Field("optim.routing_lr", None, float, NON_NEGATIVE, "peak LR of routing parameters; unset: same as lr"),
     Field("optim.warmup_steps", 1000, int, NON_NEGATIVE, "linear warmup steps"),
-    Field("optim.b1", 0.9, float, None, "AdamW beta1"),
-    Field("optim.b2", 0.95, float, None, "AdamW beta2"),
+    Field("optim.b1", 0.9, float, BETA, "AdamW beta1"),
+    Field("optim.b2", 0.95, float, BETA, "AdamW beta2"),
     Field("optim.eps", 1e-8, float, POSITIVE, "AdamW epsilon"),
     Field("optim.weight_decay", 0.1, float, NON_NEGATIVE, "AdamW weight decay"),
     Field("optim.weight_decay_mask", "matrices", str, DECAY_MASKS, "which parameters decay"),
@@ -127,8 +130,18 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def validate_config(cfg) -> None:
-    """Raise `ValueError` naming the first invalid field of an experiment config (model included)."""
+    """Raise `ValueError` naming the first invalid field of an experiment config (model included):
+    its type, its allowed values or range, and the mixture's weights. An unset `data.dataset` (the
+    paper-scale experiments leave it to the command line) passes: only training reads it, and the
+    trainer asks for it."""
+    if cfg.get("data") is not None and cfg.data.get("dataset", "") is None:
+        cfg = cfg.copy_and_resolve_references()
+        cfg.data.dataset = ""
     check_fields(BASE_FIELDS, cfg, "config.")
+    if cfg.data.mixture:
+        from deltares.data.mixture import parse_mixture  # noqa: PLC0415 - only for a mixture
+
+        parse_mixture(cfg.data.mixture)
     validate_model_config(cfg.model)
 
 

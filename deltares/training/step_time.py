@@ -246,8 +246,9 @@ def loss_loop_from(at_chunk: dict, at_half_chunk: dict, chunk: int, n_chunks: in
 
 
 def _mesh(cfg, topology: str, mesh_override: str | None):
-    from deltares.training.compile_only import AotError, step_mesh, topology_devices
+    from deltares.training.compile_only import AotError, check_config, step_mesh, topology_devices
 
+    check_config(cfg)
     devices = topology_devices(topology)
     mesh = step_mesh(cfg, devices, topology, mesh_override)
     if cfg.train.micro_batches != 1:

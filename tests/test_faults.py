@@ -342,6 +342,8 @@ def bad_commands(tmp_path, finished, builtin_dataset):
          ["unknown residual mode 'deltaa'"], {}),
         ("no workdir", ["deltares.train", "--config", debug], ["--workdir"], {}),
         ("workdir is a file", ["deltares.train", "--config", debug, "--workdir", str(a_file)], ["is a file"], {}),
+        ("workdir holds a dataset", ["deltares.train", "--config", debug, "--workdir", str(builtin_dataset),
+                                     f"--config.data.dataset={builtin_dataset}"], ["holds a dataset, not a run"], {}),
         ("batch does not split over the devices", [*train_new, "--config.train.global_batch=3",
                                                    "--config.mesh.fsdp=2"],
          ["global_batch=3 does not split over data x fsdp = 2"], two_devices),

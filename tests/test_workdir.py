@@ -5,6 +5,7 @@ written. The trainer's use of both is tested end to end in tests/test_train.py a
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -167,3 +168,26 @@ def test_a_moved_or_deleted_run_directory_is_named_as_such(tmp_path):
     run.mkdir()  # another directory of the same name is not the run's
     assert lock.problem().startswith(f"the run directory {run} was deleted during the run")
     lock.release()
+
+
+@pytest.mark.parametrize("files, what", [
+    (["meta.json", "train.bin"], "a dataset"),
+    (["config.json", "model.safetensors", "tokenizer.json"], "a Hugging Face model"),
+    (["notes.txt", "results.csv"], "2 entries (notes.txt, results.csv)"),
+])
+def test_a_folder_holding_something_else_is_not_a_run_directory(tmp_path, files, what):
+    for name in files:
+        (tmp_path / name).write_text("x")
+    with pytest.raises(WorkdirError, match=rf"holds {re.escape(what)}, not a run; use a new or empty --workdir"):
+        check_workdir(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(files)
+
+
+def test_a_run_and_its_first_folders_are_run_directories(tmp_path):
+    check_workdir(str(tmp_path))  # empty
+    (tmp_path / "dataset").mkdir()  # the built-in corpus, prepared into a new run directory
+    (tmp_path / "tensorboard").mkdir()
+    check_workdir(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "notes.txt").write_text("a run with a note beside it")
+    check_workdir(str(tmp_path))

@@ -1,8 +1,9 @@
 """A run directory checked before a run starts, and the lock that keeps one trainer per run directory.
 
 `check_workdir` refuses, before anything is compiled or written, a run directory that cannot hold
-a run: a file where the directory or one of its folders must be, a folder where a file must be, or
-a place that cannot be written (read-only, no permission).
+a run: a folder that holds something else (a dataset, a Hugging Face model, other files), a file
+where the directory or one of its folders must be, a folder where a file must be, or a place that
+cannot be written (read-only, no permission).
 
 `WorkdirLock` is the file `<workdir>/LOCK`, created exclusively (`O_EXCL` on a disk; on a bucket
 an object written only if it does not exist yet, a generation precondition with gcsfs). It names
@@ -48,6 +49,8 @@ def check_workdir(workdir: str) -> None:
             if not parent.is_dir():
                 raise WorkdirError(f"cannot use {workdir} as a run directory: {parent} is a file")
             break
+    if (other := _not_a_run(root)) is not None:
+        raise WorkdirError(f"{workdir} holds {other}, not a run; use a new or empty --workdir")
     for name, kind in LAYOUT.items():
         path = root / name
         if kind == "dir" and path.exists() and not path.is_dir():
@@ -59,6 +62,15 @@ def check_workdir(workdir: str) -> None:
     metrics = root / "metrics.jsonl"
     if not paths.is_remote(workdir) and metrics.exists() and not os.access(metrics, os.W_OK):
         raise WorkdirError(f"cannot write to {metrics} (permission denied)")
+
+
+def _not_a_run(root: epath.Path) -> str | None:
+    """What the folder `root` holds if that is something other than a run (a dataset, a Hugging Face
+    model, other files: `paths.contents`), else None (missing, empty, a run, or a run's first folders)."""
+    what = paths.contents(root) if root.is_dir() else None
+    if what in (None, "a run") or all(p.name in LAYOUT for p in root.iterdir()):
+        return None
+    return what
 
 
 def _probe_write(folder: epath.Path, workdir: str) -> None:

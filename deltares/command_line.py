@@ -217,6 +217,8 @@ def config_file_error(path: str) -> str | None:
     folder, unreadable text, a syntax error), or None. Checked before absl parses the flags:
     ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
     traceback."""
+    if not path:
+        return "--config names no experiment file (FILE[:ARG], e.g. experiments/tiny.py:delta_block)"
     if not os.path.exists(path):
         return f"--config {path}: no such file"
     if os.path.isdir(path):
@@ -241,7 +243,7 @@ def _parse_flags(argv: list[str]):
     """absl's flag parsing, with every error one `error:` line (absl prints two, and config overrides
     that name no field, or an experiment file that cannot be loaded, end in a traceback)."""
     config_file = config_file_argument(argv)
-    problem = config_file and config_file_error(config_file)
+    problem = config_file is not None and config_file_error(config_file)
     if problem:
         sys.exit(f"error: {problem}")
     try:

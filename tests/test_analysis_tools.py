@@ -324,3 +324,12 @@ def test_report_paths_relative_below_the_working_directory(runs, tmp_path, tmp_p
     assert _local("runs/a") == os.path.join("runs", "a")
     elsewhere = os.path.join(os.path.dirname(str(tmp_path)), "other", "val")
     assert _local(elsewhere) == elsewhere
+
+
+def test_an_output_file_named_like_a_folder_is_refused_and_leaves_nothing(tmp_path):
+    """`--out results/` (a folder) is one line saying so, not the rename's errno and a temporary name."""
+    from deltares.data.paths import write_text_atomic
+
+    with pytest.raises(IsADirectoryError, match=f"^{tmp_path} is a folder; give the name of a file to write$"):
+        write_text_atomic(str(tmp_path), "table")
+    assert os.listdir(tmp_path) == []

@@ -129,7 +129,7 @@ def test_experiment_files_that_cannot_be_loaded_are_one_line_naming_them(command
     cases = {str(tmp_path / "nope.py"): "nope.py: no such file", str(tmp_path): "is a folder",
              str(tmp_path / "syntax.py"): "syntax.py line 1: invalid syntax",
              str(tmp_path / "raises.py"): "raises.py: get_config failed: ZeroDivisionError: division by zero",
-             debug + ":deltaa": "unknown residual mode 'deltaa'"}
+             debug + ":deltaa": "unknown residual mode 'deltaa'", ":delta": "--config names no experiment file"}
     for config, words in cases.items():
         line = parse(["deltares.train", "--config", config, "--workdir", str(tmp_path / "run")])
         assert line and line.startswith("error: ") and "\n" not in line and words in line, (config, line)

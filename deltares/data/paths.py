@@ -133,6 +133,8 @@ def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag
 def write_file_whole(path, write: Callable[[str], None]) -> None:
     """`write(tmp)` writes a local file beside `path` (`<path>.tmp<pid>`), renamed over `path` once whole: a
     failure leaves `path` as it was."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{os.fspath(path)} is a folder; give the name of a file to write")
     tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
     try:
         write(tmp)

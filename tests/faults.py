@@ -441,6 +441,60 @@ def argument_domains(bench):
     return rows
 
 
+
+# issue 41: the run directory while a run writes it
+
+
+def between_saves(proc, workdir, action, timeout=240):
+    """Runs `action()` with the trainer `proc` paused once it has a checkpoint and no save in flight."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        folder = os.path.join(workdir, "checkpoints")
+        ready = checkpoint_steps(workdir) and not any(n.endswith("tmp") for n in os.listdir(folder))
+        if ready:
+            action()
+        proc.send_signal(signal.SIGCONT)
+        if ready:
+            return
+        time.sleep(0.02)
+
+
+def run_directory(bench):
+    """The run directory moved, deleted or its lock removed while a trainer writes it; a run resumed with
+    another learning rate; `compare` of a run being written."""
+    rows = []
+    for name, act in (("run directory moved during the run", lambda w: os.rename(w, w + "_moved")),
+                      ("run directory deleted during the run", shutil.rmtree),
+                      ("lock file removed during the run", lambda w: os.remove(os.path.join(w, "LOCK")))):
+        workdir = bench.dir(slug(name))
+        proc = subprocess.Popen(bench.cmd(workdir), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        between_saves(proc, workdir, lambda: act(workdir))
+        out, err = proc.communicate(timeout=300)
+        first = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        if "moved" in name:
+            rerun = bench.train(workdir + "_moved")
+            recovered = recovered_like_reference(bench, workdir + "_moved") if rerun.returncode == 0 else "NO"
+        elif "deleted" in name:
+            recovered = "n/a (deleted)"
+        else:
+            recovered = recovered_like_reference(bench, workdir)
+        rows.append(row(name, first, recovered, traceback="Traceback" in err))
+    workdir = bench.finished_copy("other_lr")
+    proc = bench.train(workdir, "--config.optim.lr=1e-3", "--config.train.steps=32")
+    rows.append(row("resume with another learning rate", proc,
+                    "yes (said)" if "config.optim.lr 0.003 -> 0.001" in proc.stderr else "NO (not said)"))
+    workdir = bench.dir("compare_while_running")
+    proc = subprocess.Popen(bench.cmd(workdir), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    found = []  # compare runs while the trainer is paused, its lock held
+    between_saves(proc, workdir, lambda: found.append(run(module_cmd("deltares.compare", workdir, bench.reference))))
+    proc.communicate(timeout=300)
+    marked = "(running)" in found[0].stdout
+    rows.append(row("compare of a run being written", found[0], "n/a" if marked else "NO (not marked)"))
+    return rows
+
 FAULTS = {
     "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),
     "sigkill during training": lambda b: interrupted(b, "sigkill during training", signal.SIGKILL),
@@ -476,6 +530,8 @@ FAULTS = {
         b, "sigterm while resuming a finished run", signal.SIGTERM, "the lock taken", b.finished_copy("resuming")),
     # issue 41: argument domains
     "argument domains": argument_domains,
+    # issue 41: the run directory while a run writes it
+    "run directory": run_directory,
 }
 
 

@@ -76,9 +76,10 @@ def initialize_distributed() -> None:
 
 
 def say(message: str) -> None:
-    """A status line on stderr, from process 0 only (the others would repeat it)."""
+    """A status line on stderr, from process 0 only (the others would repeat it); on a line of its own
+    while the progress bar is drawn."""
     if jax.process_index() == 0:
-        print(message, file=sys.stderr, flush=True)
+        tqdm.write(message, file=sys.stderr)
 
 
 class TrainError(RuntimeError):

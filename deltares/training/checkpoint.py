@@ -102,6 +102,11 @@ class _QuietClosedLoops:
     def flush(self) -> None:
         self.stream.flush()
 
+    def __eq__(self, other) -> bool:  # the stream it wraps: tqdm.write clears a bar drawn on that stream
+        return other is self or other is self.stream or other == self.stream
+
+    __hash__ = object.__hash__
+
     def __getattr__(self, name):
         return getattr(self.stream, name)
 

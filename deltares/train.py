@@ -459,6 +459,7 @@ class _TrainLoop:
         self.writer = MetricsWriter(workdir, resume_step=self.start, tracker=tracker)
         self.profiler = Profiler(workdir, t.profile_steps, t.profile_all_processes)
         self.aside = _Aside()  # evaluations, routing statistics, peak memory and saves: not in the step time
+        self.logged = False
         self.records = _Records(cfg, run, training, self.aside)
         self.outputs = _Outputs(cfg.model.vocab_size, run.data.path)
         self.single = jax.process_count() == 1
@@ -505,9 +506,17 @@ class _TrainLoop:
             self.stop_for_storage(f"saving step {step} failed ({first_line(err)}); {previous} in {ckpt.directory}")
 
     def log(self, step: int, batch, step_time: float, save_now: bool) -> None:
-        """The record of a logging (or saving) step, after checking that what is saved is finite."""
+        """The record of a logging (or saving) step, after checking that what is saved is finite. The first
+        record's writers start up, and the check belongs to the save: neither is in the step time."""
+        first, self.logged = not self.logged, True
+        with self.aside if first else contextlib.nullcontext():
+            self._log(step, batch, step_time, save_now)
+
+    def _log(self, step: int, batch, step_time: float, save_now: bool) -> None:
         losses, norms = self.outputs.read(self.ckpt)
-        if save_now and not bool(self.all_finite(self.state["params"])):
+        with self.aside:
+            finite = not save_now or bool(self.all_finite(self.state["params"]))
+        if not finite:
             raise TrainError(f"non-finite loss or parameters at step {step}; stopped. {_last_good(self.ckpt)}")
         record, evaluation = self.records.at(step, self.state, batch, losses, norms, step_time)
         self.last_eval = evaluation or self.last_eval
@@ -570,17 +579,21 @@ class _TrainLoop:
 
 
 class _Aside:
-    """A stopwatch for the work between train steps that is not training (`with aside:`); `take` returns
-    the seconds timed since the last take."""
+    """A stopwatch for the work between train steps that is not training (`with aside:`, nested blocks
+    timed once); `take` returns the seconds timed since the last take."""
 
     def __init__(self):
-        self.seconds, self._start = 0.0, None
+        self.seconds, self._start, self._depth = 0.0, None, 0
 
     def __enter__(self):
-        self._start = time.perf_counter()
+        self._depth += 1
+        if self._depth == 1:
+            self._start = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.seconds += time.perf_counter() - self._start
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.perf_counter() - self._start
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

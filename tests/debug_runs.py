@@ -89,6 +89,28 @@ def assert_clean_error(proc, *words):
     return lines[0]
 
 
+def assert_each_fails_cleanly(cases):
+    """Runs the command lines of `cases` ((name, args, words, extra environment)), two at a time; each must
+    end in one `error:` line holding its words, without a traceback (all failures reported together)."""
+    import concurrent.futures
+
+    def call(case):
+        _, args, _, env = case
+        return subprocess.run(module_cmd(*args), cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True,
+                              timeout=240)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(call, cases))
+    failures = []
+    for (name, _, words, _), proc in zip(cases, procs):
+        try:
+            assert "Traceback" not in proc.stderr
+            assert_clean_error(proc, *words)
+        except AssertionError as err:
+            failures.append(f"{name}: {err}\n{describe(proc)}")
+    assert not failures, "\n\n".join(failures)
+
+
 def assert_nothing_to_resume(workdir):
     """A failed start leaves nothing a later run in the same workdir would resume from or append to."""
     assert checkpoint_steps(workdir) == []

@@ -5,7 +5,6 @@ let through. The walks run in this process: the commands' flag parsing (`command
 which checks each flag's range) and `validate_config` are what run before any work. A few command
 lines then prove the real path end to end (tests/faults.py runs the same ones as its fault table)."""
 
-import concurrent.futures
 import math
 import os
 import tomllib
@@ -13,12 +12,12 @@ import tomllib
 import pytest
 from absl import flags
 
-from debug_runs import assert_clean_error, debug_config, describe, module_cmd, tree_digest
+from debug_runs import assert_each_fails_cleanly, debug_config, tree_digest
 from deltares import command_line
 from deltares.command_line import INT_LIMIT, Domain
 from deltares.nn.config import MODEL_FIELDS
 from deltares.training.experiment import BASE_FIELDS, validate_config
-from jax_cache import ENV, ROOT
+from jax_cache import ROOT
 
 INT_PROBES = ("0", "-1", "nan", "inf", "1e30", str(10**30))
 FLOAT_PROBES = ("0", "-1", "nan", "inf", "1e30")
@@ -220,22 +219,5 @@ def bad_arguments(tmp_path):
 def test_arguments_outside_their_domains_fail_with_one_line_and_write_nothing(tmp_path):
     cases = bad_arguments(tmp_path)
     before = tree_digest(tmp_path)
-
-    def call(case):
-        import subprocess
-
-        _, args, _, env = case
-        return subprocess.run(module_cmd(*args), cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True,
-                              timeout=240)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(call, cases))
-    failures = []
-    for (name, _, words, _), proc in zip(cases, procs):
-        try:
-            assert "Traceback" not in proc.stderr
-            assert_clean_error(proc, *words)
-        except AssertionError as err:
-            failures.append(f"{name}: {err}\n{describe(proc)}")
-    assert not failures, "\n\n".join(failures)
+    assert_each_fails_cleanly(cases)
     assert tree_digest(tmp_path) == before and not (tmp_path / "new_run").exists()

@@ -6,7 +6,6 @@ lines. The one-trainer-per-workdir lock is tested in tests/test_workdir.py and, 
 in tests/test_train.py's resume tests. `python tests/faults.py` runs every fault as a benchmark table.
 """
 
-import concurrent.futures
 import json
 import os
 import resource
@@ -17,8 +16,8 @@ import numpy as np
 import pytest
 
 from debug_runs import (
-    RESUME_OVERRIDES, STEPS, assert_clean_error, checkpoint_steps, config_with, describe, module_cmd, read_metrics,
-    run, train_cmd, tree_digest,
+    RESUME_OVERRIDES, STEPS, assert_clean_error, assert_each_fails_cleanly, checkpoint_steps, config_with, describe,
+    module_cmd, read_metrics, run, train_cmd, tree_digest,
 )
 from deltares.data.dataset import TokenData
 from deltares.data.documents import DataError
@@ -372,22 +371,7 @@ def bad_commands(tmp_path, finished, builtin_dataset):
 def test_bad_command_lines_fail_with_one_line_and_change_nothing(tmp_path, finished, builtin_dataset):
     cases = bad_commands(tmp_path, finished, builtin_dataset)
     before = tree_digest(tmp_path)
-
-    def call(case):
-        _, args, _, env = case
-        return subprocess.run(module_cmd(*args), cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True,
-                              timeout=240)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(call, cases))
-    failures = []
-    for (name, _, words, _), proc in zip(cases, procs):
-        try:
-            assert "Traceback" not in proc.stderr
-            assert_clean_error(proc, *words)
-        except AssertionError as err:
-            failures.append(f"{name}: {err}\n{describe(proc)}")
-    assert not failures, "\n\n".join(failures)
+    assert_each_fails_cleanly(cases)
     assert tree_digest(tmp_path) == before  # nothing written or changed (no new run directory either)
     assert not (tmp_path / "new_run").exists()
 

@@ -573,8 +573,9 @@ def main() -> None:
                f"{sum(map(silent, rows))} silent wrong results, {not_recovered} not recovered, {lost} with data lost")
     print(text + "\n\n" + summary)
     if args.out:
+        where = provenance()  # before the file is opened: the table itself is no local change
         with open(args.out, "w") as f:
-            f.write(f"# Fault table\n\n{provenance()}; `python -m tests.faults` (see docs/guides/robustness.md). Paths are "
+            f.write(f"# Fault table\n\n{where}; `python -m tests.faults` (see docs/guides/robustness.md). Paths are "
                     f"relative to the benchmark's temporary directory.\n\n{text}\n\n{summary}\n")
 
 

@@ -544,7 +544,8 @@ def table(rows, root: str = "") -> str:
     lines = ["| fault | exit | first error or warning line | traceback | silent wrong result | recovered | data lost |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        line = r["line"].replace(root + "/", "").replace("|", "\\|") if root else r["line"].replace("|", "\\|")
+        line = r["line"].replace(ROOT + "/", "")  # no machine path in the table
+        line = line.replace(root + "/", "").replace("|", "\\|") if root else line.replace("|", "\\|")
         line = line if len(line) <= 150 else line[:147] + "..."
         lines.append(f"| {r['fault']} | {r['exit']} | {line} | {'YES' if r['traceback'] else 'no'} | "
                      f"{'YES' if silent(r) else 'no'} | {r['recovered']} | {r['lost']} |")

@@ -20,6 +20,7 @@ from deltares.data.documents import DataError, builtin_path
 from deltares.data.prepare import prepare
 from deltares.data.tokenizer import load_tokenizer
 
+from debug_runs import tree_digest
 from test_data import WORDS, by_hash, make_docs, write_corpus
 
 
@@ -132,26 +133,29 @@ def test_killed_prepare_resumes_from_its_ledger(tmp_path, monkeypatch, capsys):
         np.testing.assert_array_equal(stream(out, split), stream(tmp_path / "clean", split))
 
 
-def digest(root):
-    """{relative path: bytes} of every file under `root`."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+OVERWRITE_KW = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
+
+
+def old_dataset(tmp_path):
+    """(the folder of a dataset prepared from a corpus of two files, the digest of its files)."""
+    source, _ = corpus(tmp_path, n_files=2)
+    out = tmp_path / "ds"
+    prepare(source, "bytes", str(out), **OVERWRITE_KW)
+    return out, tree_digest(out)
 
 
 def test_overwrite_builds_beside_and_a_failing_source_leaves_the_old_dataset_whole(tmp_path):
     """`overwrite` replaces another dataset only once the new one is complete: a source that fails while
     it is read (its second file is Latin-1) leaves the old dataset's files as they were, and no partial folder."""
-    source, _ = corpus(tmp_path, n_files=2)
-    out = tmp_path / "ds"
-    kw = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
-    prepare(source, "bytes", str(out), **kw)
-    before = digest(out)
+    out, before = old_dataset(tmp_path)
+    kw = OVERWRITE_KW
     good = tmp_path / "new.txt"
     write_corpus(good, make_docs(30, 7, "new"))
     bad = tmp_path / "bad.txt"
     bad.write_bytes("caf\xe9\n\nna\xefve".encode("latin1"))
     with pytest.raises(DataError, match="bad.txt"):
         prepare(f"{good},{bad}", "bytes", str(out), overwrite=True, **kw)
-    assert digest(out) == before
+    assert tree_digest(out) == before
     assert sorted(os.listdir(tmp_path)) == ["bad.txt", "c0.txt", "c1.txt", "ds", "new.txt"]  # no ds.partial
     meta = prepare(str(good), "bytes", str(out), overwrite=True, **kw)
     assert meta["source"] == str(good) and TokenData(str(out)).meta == meta
@@ -159,11 +163,8 @@ def test_overwrite_builds_beside_and_a_failing_source_leaves_the_old_dataset_who
 
 
 def test_killed_overwrite_keeps_the_old_dataset_and_resumes_beside_it(tmp_path, monkeypatch, capsys):
-    source, _ = corpus(tmp_path, n_files=2)
-    out = tmp_path / "ds"
-    kw = dict(val_fraction=0.2, progress=False, unit_bytes=3000)
-    prepare(source, "bytes", str(out), **kw)
-    before = digest(out)
+    out, before = old_dataset(tmp_path)
+    kw = OVERWRITE_KW
     new = tmp_path / "new.txt"
     write_corpus(new, make_docs(60, 7, "new"))
     real, calls = prepare_module.tokenize_unit, []
@@ -177,7 +178,7 @@ def test_killed_overwrite_keeps_the_old_dataset_and_resumes_beside_it(tmp_path, 
     monkeypatch.setattr(prepare_module, "tokenize_unit", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
         prepare(str(new), "bytes", str(out), overwrite=True, **kw)
-    assert digest(out) == before  # the old dataset is still the one there, whole
+    assert tree_digest(out) == before  # the old dataset is still the one there, whole
     assert (tmp_path / "ds.partial" / "ledger" / "00001.json").exists()
     with pytest.raises(DataError, match="other input.*--overwrite"):
         prepare(str(new), "bytes", str(out), **kw)  # without --overwrite: refused, nothing touched

@@ -6,6 +6,7 @@ CPU-only machine.
         --config.model.remat=full --json
     python -m deltares.aot --config experiments/debug.py --topology v5e:2x2 --mesh 1,2,2
     python -m deltares.aot --config experiments/s533m.py:delta_block --gpu h100
+    python -m deltares.aot --config experiments/s220m.py:delta_block --gpu h200 --estimate
     python -m deltares.aot --config experiments/s220m.py:delta --topology v5p:2x2x1 \
         --config.model.remat=full --estimate
 
@@ -24,7 +25,13 @@ the PJRT plugin of JAX's CUDA build (`jax-cuda12-pjrt`; not in requirements.txt:
 deltares/training/gpu_aot.py), for the GPU described in deltares/training/gpu_targets/. Pallas kernels
 are Triton kernels there. The GPU compiler states no memory limit, so `hbm` is the device
 memory of the target config; JAX on a GPU preallocates 75% of it unless
-XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise. cuDNN's fused attention (the "auto" attention in
+bf16) is compiled as on the GPU: the target config states cuDNN's version and the compute capability.
+
+`--estimate` with `--gpu` prices the compiled program's kernels (`deltares.training.gpu_step_time`:
+each launch's bytes at the memory bandwidth, its FLOPs at the tensor-core peak, plus a cost per
+launch, three constants fitted to step times measured on an H200) and reports launches per step and
+per sublayer, the routing's share and the time by kind of kernel: a model, not a measurement.
 
 Reported, per device: arguments (the sharded train state and batch), outputs (the new
 state and the metrics), the bytes outputs share with donated arguments (aliased, counted
@@ -219,9 +226,10 @@ def _gpu_devices(gpu: str) -> list:
 
 
 def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_name: str = "",
-            gpu: str | None = None) -> dict:
+            gpu: str | None = None, estimate: bool = False) -> dict:
     """Compiles the train step of `cfg` for `topology` (a TPU slice) or `gpu` (one GPU: "h100",
-    "h200") and returns the report (see module doc)."""
+    "h200") and returns the report (see module doc); with `gpu` and `estimate`, the GPU step-time
+    model of the compiled program too (`deltares.training.gpu_step_time`)."""
     from deltares.training.metrics import model_flops_per_token
 
     check_config(cfg)
@@ -249,7 +257,13 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
         report["compile_seconds"] = round(time.perf_counter() - start, 1)
         return _report_oom(report, err, _per_device_bytes((abstract_state, batch)))
     report["compile_seconds"] = round(time.perf_counter() - start, 1)
-    return _report_compiled(report, compiled, len(devices), cfg.model.residual.impl)
+    report = _report_compiled(report, compiled, len(devices), cfg.model.residual.impl)
+    if gpu and estimate:
+        from deltares.training.gpu_step_time import estimate as gpu_estimate
+
+        report["estimate"] = gpu_estimate(compiled.as_text(), gpu, cfg.model.n_layers)
+        report["estimate"]["mfu"] = estimated_mfu(report)
+    return report
 
 
 def _report_header(cfg, topology, gpu, devices, mesh, abstract_state, config_name: str) -> dict:
@@ -279,6 +293,7 @@ def _report_header(cfg, topology, gpu, devices, mesh, abstract_state, config_nam
         micro_batches=cfg.train.micro_batches,
         remat=cfg.model.remat,
         dtype=cfg.model.dtype,
+        n_layers=cfg.model.n_layers,
         params=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state["params"])),
         hbm_bytes=hbm,
         hbm_source=hbm_source,
@@ -379,7 +394,9 @@ def format_report(r: dict) -> str:
     if r.get("floor_live_slots"):
         lines.append(f"  routing floor {_gib(r['floor_bytes']):>11}  beyond baseline: {r['floor_live_slots']} live source slots "
                      f"({_gib(r['floor_sources_bytes'])}) and one cotangent buffer, in {r['dtype']}")
-    if "estimate" in r:
+    if "estimate" in r and r.get("gpu"):
+        lines += _format_gpu_estimate(r)
+    elif "estimate" in r:
         e = r["estimate"]
         lines += [
             "",
@@ -396,6 +413,28 @@ def format_report(r: dict) -> str:
         f"fits: {'yes' if r['fits'] else 'NO'}",
     ]
     return "\n".join(lines)
+
+
+def _format_gpu_estimate(r: dict) -> list[str]:
+    e = r["estimate"]
+    cal = e["calibration"]
+    lines = [
+        "",
+        f"estimated step time: {_seconds(e['seconds'])} per step on one {r['gpu'].upper()} ({e['caveat']})",
+        f"  {e['kernels']:,} kernel launches per step, {e['kernels_per_sublayer']:.1f} per sublayer "
+        f"({2 * r['n_layers']} sublayers); routing {e['routing_kernels']:,} ({e['routing_kernels_per_sublayer']:.1f} "
+        f"per sublayer), {_seconds(e['routing_seconds'])}, {_gib(e['routing_bytes'])} accessed",
+        f"  {_gib(e['bytes_accessed'])} accessed and {e['flops']:.3e} FLOPs per step at {e['bandwidth'] / 1e12:.2f} TB/s "
+        f"x {cal['bw_efficiency']:.2f} and the tensor-core peak x {cal['flops_efficiency']:.2f}, "
+        f"{cal['launch_seconds'] * 1e6:.1f} us per launch ({cal['fitted_on']})",
+        f"  {'kind':<26} {'launches':>9} {'time':>10} {'accessed':>12} {'FLOPs':>10}",
+    ]
+    for kind, row in e["by_kind"].items():
+        lines.append(f"  {kind:<26} {row['kernels']:>9,} {_seconds(row['seconds']):>10} {_gib(row['bytes']):>12} "
+                     f"{row['flops']:>10.3e}")
+    lines.append(f"estimated MFU: {_percent(e.get('mfu'))} (the 6N+attention FLOPs per step against the bf16 peak at "
+                 "the estimated step time)")
+    return lines
 
 
 # --------------------------------------------------------------------------- the fastest setting that fits
@@ -434,10 +473,12 @@ def search(cfg, topology: str | None, mesh_override: str | None = None, config_n
         trial_cfg = cfg.copy_and_resolve_references()
         trial_cfg.model.remat, trial_cfg.model.loss_chunk = remat, chunk
         say(f"compiling with remat {remat}, loss_chunk {chunk} ...")
-        r = analyze(trial_cfg, topology, mesh_override, config_name, gpu)
+        r = analyze(trial_cfg, topology, mesh_override, config_name, gpu, estimate=bool(gpu and estimate))
         hbm = r["hbm_bytes"]
         trial = dict(remat=remat, loss_chunk=chunk, fits=r["fits"], per_device_bytes=r["per_device_bytes"])
-        if estimate and r["fits"]:
+        if gpu and estimate and r["fits"]:
+            trial.update(seconds=r["estimate"]["seconds"], bytes_accessed=r["estimate"]["bytes_accessed"])
+        elif estimate and r["fits"]:
             from deltares.training.step_time import estimate_step_time
 
             say(f"estimating the step time with remat {remat}, loss_chunk {chunk} ...")
@@ -462,7 +503,8 @@ def format_search(s: dict) -> str:
     if best is None:
         lines.append("nothing fits: add devices or --config.train.micro_batches")
     else:
-        how = ("the least estimated step time (the TPU compiler's cost model, not a measurement)"
+        model = "the GPU kernel model" if s.get("gpu") else "the TPU compiler's cost model"
+        how = (f"the least estimated step time ({model}, not a measurement)"
                if s["ranked_by"] == "estimate" else "the first that fits, in the order above (less recomputation, "
                "then the plain loss; add --estimate to rank by the cost model)")
         lines.append(f"fastest that fits: --config.model.remat={best['remat']} --config.model.loss_chunk="
@@ -501,9 +543,6 @@ def main(argv):
         sys.exit(2)
     logging.set_verbosity(logging.WARNING)
     name = getattr(flags.FLAGS["config"], "config_filename", "")  # 'experiments/s7b6.py:delta_block'
-    if _ESTIMATE.value and _GPU.value:
-        print("error: --estimate is the TPU compiler's cost model: pass --topology, not --gpu", file=sys.stderr)
-        sys.exit(2)
     if _SEARCH.value:
         try:
             found = search(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name, gpu=_GPU.value,
@@ -514,8 +553,9 @@ def main(argv):
         print(json.dumps(found) if _JSON.value else format_search(found), flush=True)
         sys.exit(0 if found["fastest"] else 1)
     try:
-        report = analyze(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name, gpu=_GPU.value)
-        if _ESTIMATE.value:
+        report = analyze(_CONFIG.value, _TOPOLOGY.value, _MESH.value, config_name=name, gpu=_GPU.value,
+                         estimate=_ESTIMATE.value)
+        if _ESTIMATE.value and not _GPU.value:
             from deltares.training.step_time import estimate_step_time
 
             how = "unrolled compiles at a few depths" if _CONFIG.value.model.scan_layers else "the whole model compiled"
@@ -542,9 +582,11 @@ def cli() -> None:
     )
     _JSON = flags.DEFINE_bool("json", False, "Print the report as one JSON object.")
     _ESTIMATE = flags.DEFINE_bool(
-        "estimate", False, "Also the TPU compiler's estimate of the step time (deltares.training.step_time: unrolled "
-        "compiles at a few depths, extrapolated, or with unrolled layers the whole model; a cost model, not a "
-        "measurement).")
+        "estimate", False, "Also an estimate of the step time. TPU: the TPU compiler's cost model "
+        "(deltares.training.step_time: unrolled compiles at a few depths, extrapolated, or with unrolled layers the "
+        "whole model). GPU: a model of the compiled program's kernels (deltares.training.gpu_step_time: bytes at the "
+        "memory bandwidth, FLOPs at the peak, a cost per launch, fitted to H200 measurements). Models, not "
+        "measurements.")
     _SEARCH = flags.DEFINE_bool(
         "search", False, "Compile at every remat policy (none, dots, full) with the plain and the chunked loss and "
         "report which fit and the fastest that fits (by the estimate with --estimate, else by the order of less "

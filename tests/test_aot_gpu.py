@@ -45,24 +45,31 @@ COMPILES = """if True:
     count = aot.pallas_kernel_calls
     aot.pallas_kernel_calls = lambda text: texts.append(text) or count(text)
     experiment = importlib.machinery.SourceFileLoader("debug", "experiments/debug.py").load_module()
-    for label, impl, group in (("pallas", "pallas", 0), ("xla", "xla", 0), ("two_phase", "pallas", 2)):
+    for label, impl, group in (("pallas", "pallas", 0), ("xla", "xla", 0), ("two_phase", "pallas", 2),
+                               ("auto_bf16", "auto", 0)):
         cfg = experiment.get_config("delta_block")
         cfg.model.residual.impl = impl  # --config.model.residual.impl=...
         cfg.model.residual.group_layers = group
         cfg.model.remat = "full" if group else cfg.model.remat  # two-phase routing: the store-once pass
-        report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block", gpu="h100")
+        if label == "auto_bf16":  # the defaults: "auto" attention (cuDNN in bf16 on a GPU) and "auto" routing
+            cfg.model.dtype, cfg.model.attention = "bfloat16", "auto"
+        report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block", gpu="h100",
+                             estimate=label != "two_phase")
         hlo = texts.pop()  # the compiled train step (an out-of-memory report would have none)
         lines = [line for line in hlo.splitlines() if sys.argv[1] in line]
         prefix_calls = sum("depth_route_prefix" in line for line in lines)  # phase one's K-query kernels
-        print(json.dumps(dict(impl=label, report=report, triton_calls=len(lines), prefix_calls=prefix_calls)),
-              flush=True)
+        cudnn_calls = hlo.count('custom_call_target="__cudnn$fmha')
+        print(json.dumps(dict(impl=label, report=report, triton_calls=len(lines), prefix_calls=prefix_calls,
+                              cudnn_calls=cudnn_calls)), flush=True)
 """
 
 
 @pytest.fixture(scope="module")
 def h100_compiles():
-    """{impl: (report, Triton kernel calls in the optimized HLO, those of phase one's kernels)} for impl
-    pallas and xla, and "two_phase" (pallas, residual.group_layers=2, remat full)."""
+    """{impl: (report, Triton kernel calls in the optimized HLO, those of phase one's kernels, cuDNN attention
+    calls)} for impl pallas and xla, "two_phase" (pallas, residual.group_layers=2, remat full) and
+    "auto_bf16" (the "auto" routing and attention in bf16); with the GPU
+    step-time estimate but for "two_phase"."""
     proc = subprocess.run([sys.executable, "-c", COMPILES, TRITON_CALL], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -72,8 +79,8 @@ def h100_compiles():
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             item = json.loads(line)
-            out[item["impl"]] = item["report"], item["triton_calls"], item["prefix_calls"]
-    assert set(out) == {"pallas", "xla", "two_phase"}, proc.stdout
+            out[item["impl"]] = item["report"], item["triton_calls"], item["prefix_calls"], item["cudnn_calls"]
+    assert set(out) == {"pallas", "xla", "two_phase", "auto_bf16"}, proc.stdout
     return out
 
 
@@ -81,7 +88,7 @@ def h100_compiles():
 def test_fused_routing_is_a_triton_kernel_of_the_h100_train_step(h100_compiles):
     """impl=pallas: the depth-routing kernel of kernels_pallas/depth_route/pallas_gpu.py (forward and
     backward) is compiled into the H100 train step."""
-    report, triton_calls, prefix_calls = h100_compiles["pallas"]
+    report, triton_calls, prefix_calls, _ = h100_compiles["pallas"]
     assert prefix_calls == 0
     assert triton_calls >= 2 and report["pallas_kernel_calls"] == triton_calls
     assert report["routing_impl"] == "pallas" and report["gpu"] == "h100" and report["topology"] is None
@@ -102,7 +109,7 @@ def test_fused_routing_is_a_triton_kernel_of_the_h100_train_step(h100_compiles):
 @needs_cuda_compiler
 def test_xla_routing_compiles_no_triton_kernel(h100_compiles):
     """The same step with impl=xla: no Pallas kernel, so the marker above really marks the kernel."""
-    report, triton_calls, _ = h100_compiles["xla"]
+    report, triton_calls, _, _ = h100_compiles["xla"]
     assert triton_calls == 0 and report["pallas_kernel_calls"] == 0 and report["routing_impl"] == "xla"
     assert report["fits"] is True and report["per_device_bytes"] > 0
 
@@ -111,16 +118,49 @@ def test_xla_routing_compiles_no_triton_kernel(h100_compiles):
 def test_two_phase_routing_compiles_its_k_query_kernels_for_the_h100(h100_compiles):
     """impl=pallas with group_layers=2: phase one of two-phase routing is the K-query Triton kernel
     (kernels_pallas/depth_route/pallas_gpu.py prefix_*, forward and backward) in the H100 train step."""
-    report, triton_calls, prefix_calls = h100_compiles["two_phase"]
+    report, triton_calls, prefix_calls, _ = h100_compiles["two_phase"]
     assert prefix_calls >= 2 and report["pallas_kernel_calls"] == triton_calls >= prefix_calls
     assert report["routing_impl"] == "pallas" and report["fits"] is True
 
 
 @needs_cuda_compiler
+def test_auto_routes_with_the_triton_kernel_on_a_gpu(h100_compiles):
+    """impl=auto on a GPU: each sublayer's routing is the Triton kernel (phase one of two-phase routing stays
+    in XLA: tests/test_depth_route_kernel.py); in bf16 the "auto" attention is cuDNN's fused attention,
+    compiled here without a GPU (the target config states cuDNN's version)."""
+    report, triton_calls, prefix_calls, cudnn_calls = h100_compiles["auto_bf16"]
+    assert triton_calls >= 2 and prefix_calls == 0
+    assert cudnn_calls >= 2  # forward and backward
+    assert h100_compiles["xla"][3] == 0  # float32: the xla attention
+
+
+@needs_cuda_compiler
+def test_gpu_estimate_reads_every_kernel_of_the_step(h100_compiles):
+    """The GPU step-time model (deltares/training/gpu_step_time.py) of the compiled step: its matrix-product
+    FLOPs, read from the HLO with the layer loop counted by its trip count, agree with the traced step's
+    (counted from the jaxpr); the routed step launches routing kernels, and the fused kernel fewer of them."""
+    for label in ("xla", "pallas", "auto_bf16"):
+        report = h100_compiles[label][0]
+        e = report["estimate"]
+        assert e["flops"] == pytest.approx(report["flops_per_step"], rel=0.1), label
+        assert e["seconds"] == pytest.approx(sum(row["seconds"] for row in e["by_kind"].values()))
+        assert e["kernels"] == sum(row["kernels"] for row in e["by_kind"].values()) > 0
+        assert e["routing_kernels"] > 0 and e["kernels_per_sublayer"] == e["kernels"] / (2 * report["n_layers"])
+        assert e["seconds"] >= e["launch_seconds"] > 0 and 0 < e["mfu"] < 1
+    xla, pallas = h100_compiles["xla"][0]["estimate"], h100_compiles["pallas"][0]["estimate"]
+    assert pallas["by_kind"]["Pallas kernels (Triton)"]["kernels"] >= 2 and "Pallas kernels (Triton)" not in xla["by_kind"]
+    assert pallas["routing_kernels"] < xla["routing_kernels"]
+    assert "attention (cuDNN)" in h100_compiles["auto_bf16"][0]["estimate"]["by_kind"]
+
+
+@needs_cuda_compiler
 def test_command_line_report_for_one_h200():
-    proc = run_module("deltares.aot", "--config", "experiments/debug.py:baseline", "--gpu", "h200", timeout=300)
+    proc = run_module("deltares.aot", "--config", "experiments/debug.py:baseline", "--gpu", "h200", "--estimate",
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
+    assert "estimated step time:" in out and "per step on one H200 (a model of the GPU's kernels" in out
+    assert "kernel launches per step" in out and "matrix products" in out and "estimated MFU:" in out
     assert "gpu h200: 1 x NVIDIA H200 141GB HBM3e, mesh data=1 fsdp=1 tensor=1" in out
     assert "of 141.00 GiB HBM (the device memory of deltares/training/gpu_targets/)" in out
     for word in ("arguments", "outputs", "temporaries", "total", "FLOPs per step", "fits: yes"):

@@ -186,6 +186,22 @@ def test_default_on_cpu_is_xla_and_unrunnable_kernels_fall_back():
     np.testing.assert_allclose(out, big[0], rtol=1e-6)
 
 
+def test_auto_is_the_kernel_measured_fastest_on_each_platform(monkeypatch):
+    """impl "auto": on a GPU the Triton kernel per sublayer and XLA for phase one; XLA on a TPU and a CPU, silently."""
+    for platform, sublayer, phase_one in (("gpu", "pallas_gpu", "xla"), ("tpu", "xla", "xla"), ("cpu", "xla", "xla")):
+        monkeypatch.setattr(api, "target_platform", lambda p=platform: p)
+        assert api.implementation_for("auto") == sublayer
+        assert api.implementation_for("auto", phase_one=True) == phase_one
+        for impl in ("xla", "pallas", "pallas_gpu"):
+            assert api.implementation_for(impl) == impl  # any other choice is kept
+    monkeypatch.undo()
+    sources, valid, query, gain, res = make_inputs(3, 2, 4, 16, jnp.float32, "random", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        np.testing.assert_array_equal(depth_route(sources, valid, query, gain, res, implementation="auto"),
+                                      routing.depth_route(sources, valid, query, gain, res))
+
+
 @pytest.mark.parametrize("D", [1280, 8192])
 def test_gpu_kernel_lowers_to_triton_for_cuda(D):
     """The Triton lowering (power-of-two blocks, masked loads) runs without a GPU: the single-query

@@ -497,26 +497,40 @@ PARSE_BENCH = """if True:
 """
 
 
+DEFAULT_STAGES = ("s220m_defaults", "s220m_defaults_xla", "kernel", "s1044m_defaults", "s1044m_defaults_xla",
+                  "s220m_no_command_buffers", "tests", "estimate")
+SCANNED_STAGES = ("s220m", "s220m_kernel", "s220m_cudnn", "s220m_cudnn_kernel", "s1044m", "s1044m_grouped",
+                  "s1044m_segments")
+
+
 def test_gpu_bench_dry_run_prints_every_stage_and_its_flags_parse():
-    res = run(GPU_BENCH, ["--dry-run", "--out", "runs/b"])
+    res = run(GPU_BENCH, ["--dry-run", "--out", "runs/b", "--stages", ",".join(DEFAULT_STAGES + SCANNED_STAGES)])
     assert res.returncode == 0, res.stderr
     cmds = commands(res.stdout)
     assert cmds[:2] == [["cd", ROOT], ["mkdir", "-p", "runs/b"]]
-    stages = [c[-2] for c in cmds[2:]]  # each ends: > runs/b/STAGE.txt 2>&1
-    assert [os.path.basename(s) for s in stages] == [
-        f"{name}.txt" for name in ("tests", "kernel", "s220m", "s220m_kernel", "s220m_cudnn", "s220m_cudnn_kernel",
-                                   "s1044m", "s1044m_grouped", "s1044m_segments")]
-    tests = cmds[2]
-    assert tests[:2] == ["env", "JAX_PLATFORMS=cuda"] and tests[-5:-3] == ["-k", "pallas_gpu or cudnn"]
-    assert cmds[3][:5] == ["python3", "-m", "kernels_pallas.depth_route.bench", "--train_layers", "0"]
-    benches = [c[3:-3] for c in cmds[4:]]  # the arguments of `python3 -m deltares.bench`
-    assert all(c[:3] == ["python3", "-m", "deltares.bench"] for c in cmds[4:])
+    by_stage = {os.path.basename(c[-2])[:-4]: c[:-3] for c in cmds[2:]}  # each ends: > runs/b/STAGE.txt 2>&1
+    assert list(by_stage) == list(DEFAULT_STAGES + SCANNED_STAGES)
+    default = commands(run(GPU_BENCH, ["--dry-run", "--out", "runs/b"]).stdout)
+    assert [os.path.basename(c[-2])[:-4] for c in default[2:]] == list(DEFAULT_STAGES)
+    tests = by_stage["tests"]
+    assert tests[:2] == ["env", "JAX_PLATFORMS=cuda"] and tests[-2:] == ["-k", "pallas_gpu or cudnn"]
+    assert by_stage["kernel"][:5] == ["python3", "-m", "kernels_pallas.depth_route.bench", "--train_layers", "0"]
+    no_buffers = by_stage["s220m_no_command_buffers"]  # the caller's XLA_FLAGS kept, command buffers off
+    assert no_buffers[0] == "env" and no_buffers[1].startswith("XLA_FLAGS=")
+    assert no_buffers[1].endswith("--xla_gpu_enable_command_buffer=")
+    estimate = by_stage["estimate"]
+    assert estimate[:4] == ["env", "JAX_PLATFORMS=cpu", "bash", "-c"] and "--gpu h100 --estimate" in estimate[4]
+    benches = {name: c[c.index("python3") + 3:] for name, c in by_stage.items() if "deltares.bench" in c}
+    assert len(benches) == 12
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        outs = list(pool.map(lambda argv: subprocess.run([sys.executable, "-c", PARSE_BENCH, *argv], cwd=ROOT,
-                                                         capture_output=True, text=True, timeout=120), benches))
-    assert [o.returncode for o in outs] == [0] * len(benches), [o.stderr[-2000:] for o in outs]
-    parsed = [o.stdout.split()[-2:] for o in outs]
-    assert parsed[:4] == [["xla", "xla"], ["xla", "pallas_gpu"], ["cudnn", "xla"], ["cudnn", "pallas_gpu"]]
+        outs = dict(zip(benches, pool.map(
+            lambda argv: subprocess.run([sys.executable, "-c", PARSE_BENCH, *argv], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=120), benches.values())))
+    assert {n: o.returncode for n, o in outs.items()} == dict.fromkeys(benches, 0), [o.stderr[-2000:] for o in outs.values()]
+    parsed = {n: o.stdout.split()[-2:] for n, o in outs.items()}
+    assert parsed["s220m_defaults"] == ["auto", "auto"] and parsed["s220m_defaults_xla"] == ["auto", "xla"]
+    assert [parsed[n] for n in SCANNED_STAGES[:4]] == [["xla", "xla"], ["xla", "pallas_gpu"], ["cudnn", "xla"],
+                                                       ["cudnn", "pallas_gpu"]]
 
 
 def test_gpu_bench_runs_its_stages_and_reports_failures(tmp_path):
@@ -532,7 +546,7 @@ def test_gpu_bench_runs_its_stages_and_reports_failures(tmp_path):
     assert log.read_text().splitlines() == [
         "-m kernels_pallas.depth_route.bench --train_layers 0",
         "-m deltares.bench --config experiments/s1044m.py --batch 8 --seq_len 2048 --rounds 2 --steps 2 "
-        "--modes baseline,delta --config.model.scan_layers=True --config.model.residual.group_layers=0 "
+        "--config.model.residual.impl=xla --modes baseline,delta --config.model.scan_layers=True --config.model.residual.group_layers=0 "
         "--config.model.residual.scan_segments=12"]
     assert (out / "kernel.txt").read_text() == "| baseline | 1.0 |\n"
     assert res.stdout.count("| baseline | 1.0 |") == 2 and "== s1044m_segments: exit 0" in res.stdout
@@ -546,6 +560,7 @@ def test_gpu_bench_runs_its_stages_and_reports_failures(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--stages", "kernel,nope"], "unknown stage 'nope'"), (["--budget", "10m"], "whole number of seconds"),
     (["--stages", ""], "--stages is empty"), (["--out"], "--out needs a value"), (["--fast"], "unknown argument"),
+    (["--gpu", "a100"], "--gpu must be h100 or h200"),
 ])
 def test_gpu_bench_bad_arguments_are_one_line_errors(args, needle):
     check_one_line_error(run(GPU_BENCH, args), needle)

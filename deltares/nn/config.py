@@ -87,8 +87,10 @@ MODEL_FIELDS = (
           "this many scans of consecutive layers (block modes: whole blocks), each router reading only the source "
           "slots its segment can have written (docs/explanations/performance.md: fewer bytes, more compiled bodies); 1 "
           "(default): one scan, every router reading all slots (masked)"),
-    Field("residual.impl", "xla", str, ROUTING_IMPLS, "depth routing: xla, or the fused Pallas kernel (pallas: the "
-          "target platform's; no routing weights; a null source only with two-phase routing)"),
+    Field("residual.impl", "auto", str, ROUTING_IMPLS, "depth routing: auto (default: the fastest measured on the "
+          "platform: the fused Triton kernel per sublayer on NVIDIA GPUs, xla elsewhere and for two-phase routing's "
+          "phase one), xla, or the fused Pallas kernel (pallas: the target platform's; no routing weights; a null "
+          "source only with two-phase routing)"),
     Field("residual.interpret", False, bool, None, "run the Pallas kernels (depth routing, splash attention) in "
           "interpret mode (CPU tests)"),
     Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "
@@ -210,7 +212,7 @@ def validate_model_config(cfg) -> None:
         if res[field] and res.mode not in ADDITIVE_MODES:
             _fail(prefix, f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
     two_phase = res.group_layers > 0 and (not cfg.scan_layers or cfg.remat != "none")  # deltares.nn.residual.two_phase
-    if res.impl != "xla" and res.null_source and not two_phase:
+    if res.impl not in ("xla", "auto") and res.null_source and not two_phase:
         _fail(prefix, "residual.impl", res.impl, "no null source in the Pallas kernel (two-phase routing, "
               "residual.group_layers > 0 with unrolled layers or with scanned layers and remat, merges it in XLA); "
               "use 'xla'")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from deltares.nn import routing
 from deltares.nn.attention import causal_attention
 from deltares.nn.axes import SOURCES_AXES
+from kernels_pallas.depth_route.api import implementation_for
 
 Dtype = Any
 dense_init = nn.initializers.normal(stddev=0.02)
@@ -255,6 +256,7 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     if gate is not None and residual_BTD is None:
         raise ValueError("a routing gate needs additive routing (a residual)")
     inner_residual = residual_BTD if gate is None else None
+    impl = "xla" if impl == "auto" and null is not None else implementation_for(impl)
     if impl == "xla" or prefix is not None:
         route_BTD, weights_SBT = xla_route(sources_SBTD, inv_rms_SBT, valid, query, gain, inner_residual, null, eps,
                                            prefix)
@@ -343,6 +345,7 @@ def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl
     over the batch's mesh axes and D whole (`_token_split`; `kernel_route` for interpret mode's check_vma)."""
     valid_KS = jnp.asarray(valid_KS, bool)
     P = jax.sharding.PartitionSpec
+    impl = implementation_for(impl, phase_one=True)
     if impl != "xla":
         from kernels_pallas.depth_route import route_prefix as fused  # noqa: PLC0415 - optional fast path
 

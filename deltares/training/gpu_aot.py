@@ -100,11 +100,38 @@ def _register_plugin_late() -> bool:
     return True
 
 
+def _version(config: str, message: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version message (`dnn_version_info`, `cuda_compute_capability`) of a target config."""
+    m = re.search(rf"{message}\s*{{([^}}]*)}}", config)
+    fields = dict(re.findall(r"(\w+):\s*(\d+)", m.group(1))) if m else {}
+    return int(fields.get("major", 0)), int(fields.get("minor", 0)), int(fields.get("patch", 0))
+
+
+def _cudnn_of_target(config: str) -> None:
+    """Let `jax.nn.dot_product_attention(implementation="cudnn")` (the "cudnn" and "auto" attention) trace
+    for the target GPU: JAX asks the local CUDA install for cuDNN's version and the local GPU for its
+    compute capability, and a CPU machine has neither. The target config states both; XLA's CUDA
+    compiler then compiles the fused attention as it does on the GPU."""
+    import jax._src.cudnn.fused_attention_stablehlo as fused
+
+    major, minor, patch = _version(config, "dnn_version_info")
+    capability = _version(config, "cuda_compute_capability")[:2]
+
+    def at_least(text: str) -> bool:
+        return tuple(int(x) for x in text.split(".")) <= capability
+
+    fused.check_cudnn_version = lambda: major * 10000 + minor * 100 + patch
+    fused.check_compute_capability = at_least
+    fused.is_cuda_compute_capability_equal = lambda text: tuple(int(x) for x in text.split(".")) == capability
+
+
 def gpu_devices(name: str) -> list:
     """Compile-only devices of one GPU `name` ("h100" or "h200"), for a `jax.sharding.Mesh`.
-    ValueError for another name; CudaCompilerMissing (saying what to install) without the plugin."""
+    ValueError for another name; CudaCompilerMissing (saying what to install) without the plugin.
+    In this process cuDNN's fused attention then traces for that GPU (`_cudnn_of_target`)."""
     config = target_config(name)
     _as_compiler()
+    _cudnn_of_target(config)
     from jax.experimental import topologies
 
     def make():

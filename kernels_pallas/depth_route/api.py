@@ -51,9 +51,10 @@ from kernels_pallas import varying_axes, vary_like
 from kernels_pallas.depth_route import reference
 from kernels_pallas.depth_route.reference import NORM_EPS
 
-# "pallas": the target platform's kernel (falling back to xla where none runs); the others force one.
+# "pallas": the target platform's kernel (falling back to xla where none runs); "auto": the fastest
+# measured on the target platform (`implementation_for`); the others force one.
 # deltares' config.model.residual.impl takes these values.
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_tpu", "pallas_gpu")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 
 _PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 _WARNED: set[str] = set()
@@ -75,6 +76,18 @@ def target_platform() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+def implementation_for(implementation: str, phase_one: bool = False) -> str:
+    """The implementation "auto" stands for on the target platform, measured on one H200
+    (docs/explanations/performance.md): on a GPU the Triton kernel for a sublayer's routing
+    (`depth_route`: s220m `delta_block` 95.4 against 100.5 ms a step, `delta` 139.6 against 159.5)
+    and XLA for two-phase routing's phase one (`route_prefix`, `phase_one`: the K-query kernel made
+    s1044m `delta` slower, 763.9 against 512.3 ms); XLA elsewhere (no TPU run has compared them).
+    Any other value is returned as it is."""
+    if implementation != "auto":
+        return implementation
+    return "pallas_gpu" if target_platform() == "gpu" and not phase_one else "xla"
+
+
 def _backend(impl: str):
     if impl == "pallas_tpu":
         from kernels_pallas.depth_route import pallas_tpu as module
@@ -86,7 +99,7 @@ def _backend(impl: str):
 def _resolve(implementation, interpret, N, D, dtype, K=None) -> str:
     """The implementation to run: `K` queries for phase one (`route_prefix`), None for `depth_route`."""
     platform = target_platform()
-    impl = implementation
+    impl = implementation_for(implementation, phase_one=K is not None)
     if impl == "pallas":
         impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
     if impl == "xla":

@@ -107,3 +107,47 @@ def test_generated_reference_pages_are_current():
     differ = stale(ROOT)
     assert not differ, (f"{differ} differ from what the schema and the tools' --help give: run "
                         "`python -m tests.reference_pages` from the repository root and commit the pages")
+
+
+# ----------------------------------------------------------------------------- the API reference
+
+API_PAGES = os.path.join("docs", "reference", "api")
+
+
+def _module_all(path: str) -> list[str]:
+    import ast
+
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"no __all__ in {path}")
+
+
+def test_api_reference_has_a_page_per_public_name():
+    """Every name of `deltares.nn.__all__` and `deltares.nn.nnx.__all__` is documented by a `::: ` directive of
+    docs/reference/api/ (mkdocstrings renders it from the docstring), each page is in mkdocs.yml's nav and
+    linked from the reference's index page, and the docs index links the reference."""
+    directives = {}
+    for page in sorted(glob.glob(os.path.join(ROOT, API_PAGES, "*.md"))):
+        with open(page) as f:
+            for line in f:
+                if line.startswith("::: "):
+                    directives[line[4:].strip()] = os.path.basename(page)
+    # deltares.nn re-exports these from their modules: the directive may name either
+    expected = {f"deltares.nn.{name}" for name in _module_all("deltares/nn/__init__.py")}
+    expected |= {f"deltares.nn.nnx.{name}" for name in _module_all("deltares/nn/nnx.py")}
+    documented = {re.sub(r"^deltares\.nn\.config\.", "deltares.nn.", name) for name in directives}
+    missing = sorted(expected - documented)
+    assert not missing, f"public names without a page in {API_PAGES}: {missing}"
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        config = f.read()
+    with open(os.path.join(ROOT, API_PAGES, "index.md")) as f:
+        index = f.read()
+    for page in set(directives.values()):
+        assert re.search(rf"^\s*- {re.escape(page)}$", config, re.M), f"{page} is not in mkdocs.yml's nav"
+        assert f"]({page})" in index, f"{page} is not linked from {API_PAGES}/index.md"
+    with open(os.path.join(ROOT, "docs", "README.md")) as f:
+        assert "](reference/api/index.md)" in f.read()
+

@@ -78,10 +78,11 @@ def _pins() -> str:
 
 
 def _can_build_wheels_here() -> bool:
-    """Whether this environment's setuptools builds wheels (itself from 70.1, else with `wheel`)."""
+    """Whether this environment's setuptools builds this wheel: 77 or newer (pyproject's SPDX `license`,
+    PEP 639; it builds wheels itself). Else pip builds it in an isolated environment."""
     if importlib.util.find_spec("setuptools") is None:
         return False
-    return bool(importlib.util.find_spec("setuptools.command.bdist_wheel") or importlib.util.find_spec("wheel"))
+    return int(importlib.metadata.version("setuptools").split(".")[0]) >= 77
 
 
 @pytest.fixture(scope="module")
@@ -367,3 +368,18 @@ def test_core_install_runs_the_layers_without_the_trainer(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in tool.stderr, tool.stderr
     assert "grain" in lines[0] and "tokenizers" in lines[0] and '".[train]"' in lines[0], lines[0]
     print(f"core environment ({len(closure)} distributions), layers, model, a tool: {time.perf_counter() - start:.1f} s")
+
+
+def test_citation_file_cites_the_paper_and_this_version():
+    """CITATION.cff (CFF 1.2.0; `cffconvert --validate` passed on it, 2026-12-05): the software, with the
+    package's version and license, and the paper as the preferred citation."""
+    import yaml
+
+    with open(os.path.join(ROOT, "CITATION.cff")) as f:
+        cff = yaml.safe_load(f)
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software" and cff["message"] and cff["authors"]
+    assert cff["version"] == deltares.__version__
+    assert cff["license"] == _pyproject()["license"] == "Apache-2.0"
+    paper = cff["preferred-citation"]
+    assert paper["title"] == "Delta Attention Residuals" and paper["year"] == 2026
+    assert [a["family-names"] for a in paper["authors"]] == ["Luo", "Cai", "Hu"]

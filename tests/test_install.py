@@ -8,6 +8,10 @@ wheel (the test checks that `deltares.__file__` lies inside the new environment)
 from a directory outside the repository with nothing of the checkout on the path, and the declared
 dependencies are checked separately (`test_declared_dependencies_resolve_to_the_pins`: pip resolves
 them, offline, against requirements.txt's pins).
+
+`test_core_install_runs_the_layers_without_the_trainer` is the other side: an environment holding only
+what `pip install .` without extras brings (the core dependencies and what they require, nothing of the
+`train` extra) imports `deltares.nn` and runs its layers and model; a tool started there ends in one line.
 """
 
 import importlib.metadata
@@ -16,17 +20,21 @@ import json
 import os
 import shutil
 import subprocess
+import re
 import sys
 import sysconfig
 import time
+import tomllib
 import zipfile
 
 import pytest
+from packaging.requirements import Requirement
 
+import deltares
 from deltares import command_line
 from tests.jax_cache import CACHE, ROOT
 
-PACKAGE_INPUTS = ("pyproject.toml", "setup.py", "README.md", "deltares", "kernels_pallas", "experiments")
+PACKAGE_INPUTS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "deltares", "kernels_pallas", "experiments")
 # Set by deltares/__init__.py (TPU_*) and deltares/aot.py (all four) on import before they left it.
 TOOL_VARIABLES = ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES",
                   "ALLOW_MULTIPLE_LIBTPU_LOAD")
@@ -70,10 +78,11 @@ def _pins() -> str:
 
 
 def _can_build_wheels_here() -> bool:
-    """Whether this environment's setuptools builds wheels (itself from 70.1, else with `wheel`)."""
+    """Whether this environment's setuptools builds this wheel: 77 or newer (pyproject's SPDX `license`,
+    PEP 639; it builds wheels itself). Else pip builds it in an isolated environment."""
     if importlib.util.find_spec("setuptools") is None:
         return False
-    return bool(importlib.util.find_spec("setuptools.command.bdist_wheel") or importlib.util.find_spec("wheel"))
+    return int(importlib.metadata.version("setuptools").split(".")[0]) >= 77
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +122,12 @@ def test_wheel_holds_every_package_file_and_the_experiments(wheel):
     metadata = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(metadata).decode()
     assert "deltares-train = deltares.train:cli" in scripts and "deltares-harness = deltares.harness:main" in scripts
+    # The license: its SPDX name in the metadata, its text in the wheel
+    info = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in info.splitlines(), info[:2000]
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    text = zipfile.ZipFile(wheel).read(license_file).decode()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
 
 
 def test_declared_dependencies_resolve_to_the_pins(wheel):
@@ -229,3 +244,142 @@ def test_config_names_resolve_to_the_shipped_experiments(tmp_path, monkeypatch):
     tiny = os.path.join(command_line.experiments_dir(), "tiny.py")
     assert command_line.resolve_config_args(argv) == [
         "train", "--config", tiny + ":delta", "--config.train.steps=2", f"--config={shipped}", "--", "--config", "debug"]
+
+
+# ----------------------------------------------------------------------------- the core install
+
+
+def _pyproject() -> dict:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_closure(requirements) -> dict[str, importlib.metadata.Distribution]:
+    """The installed distributions `requirements` need, by normalized name: each requirement and,
+    recursively, what its installed distribution requires (the extras a requirement names included;
+    requirements behind another extra, or whose marker does not hold here, left out)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = [(Requirement(r) if isinstance(r, str) else r, "") for r in requirements]
+    seen = set()
+    while todo:
+        req, extra = todo.pop()
+        if req.marker and not req.marker.evaluate({"extra": extra}):
+            continue
+        dist = importlib.metadata.distribution(req.name)
+        found[_key(req.name)] = dist
+        for wanted in ("", *sorted(req.extras)):
+            if (_key(req.name), wanted) in seen:
+                continue
+            seen.add((_key(req.name), wanted))
+            todo += [(Requirement(r), wanted) for r in dist.requires or []]
+    return found
+
+
+def _core_environment(tmp_path) -> tuple[str, dict]:
+    """A virtual environment (no pip) whose site-packages holds only the core dependencies' closure, as
+    links to this environment's files (each distribution's files, as its RECORD lists them, so that a
+    folder two distributions share brings only the closure's part), and links to the checkout's
+    `deltares` and `kernels_pallas`. Returns its python and the closure."""
+    venv = tmp_path / "core"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site_dir = sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)})
+    closure = requirement_closure(_pyproject()["dependencies"])
+    for dist in closure.values():
+        for file in dist.files or []:
+            if file.parts[0] == ".." or "__pycache__" in file.parts:  # console scripts; bytecode
+                continue
+            target = os.path.join(site_dir, *file.parts)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if not os.path.lexists(target):
+                os.symlink(os.path.realpath(dist.locate_file(file)), target)
+    for package in ("deltares", "kernels_pallas"):
+        os.symlink(os.path.join(ROOT, package), os.path.join(site_dir, package))
+    return str(venv / "bin" / "python"), closure
+
+
+def test_the_train_extra_is_what_the_tools_check():
+    """pyproject's `train` extra and deltares.TRAIN_MODULES (what a tool started without them names)
+    list the same distributions, none of them a core dependency; `all` includes `train`."""
+    project = _pyproject()
+    train = {str(Requirement(r).name) + "".join(f"[{e}]" for e in sorted(Requirement(r).extras))
+             for r in project["optional-dependencies"]["train"]}
+    assert train == set(deltares.TRAIN_MODULES.values())
+    core = {_key(Requirement(r).name) for r in project["dependencies"]}
+    assert core == {"jax", "flax", "numpy", "ml-collections", "absl-py"}, core
+    assert not core & {_key(Requirement(r).name) for r in project["optional-dependencies"]["train"]}
+    assert "train" in Requirement(project["optional-dependencies"]["all"][0]).extras
+
+
+def test_core_install_runs_the_layers_without_the_trainer(tmp_path):
+    """`import deltares.nn` and its layers in an environment of the core closure alone: the layers with
+    ml-collections hidden too (they need only jax, flax and numpy), then `model_config` and a small
+    `Transformer`. The trainer's own packages are absent there (a trainer import on the layers' path
+    fails this test), and a tool started there says in one line what is missing."""
+    start = time.perf_counter()
+    python, closure = _core_environment(tmp_path)
+    # What the core brings with flax (flax itself requires optax and orbax-checkpoint) is allowed; the
+    # rest of the train extra must not be in the closure, or this environment proves nothing.
+    trainer_only = {"grain", "tokenizers", "safetensors", "tqdm", "tensorboardx"}
+    assert not trainer_only & set(closure), sorted(trainer_only & set(closure))
+    assert {"jax", "jaxlib", "flax", "numpy", "ml-collections"} <= set(closure)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = _env(JAX_PLATFORMS="cpu")
+    proc = _run([python, "-I", "-c", """if True:
+        import importlib.util, json, sys
+        absent = [m for m in ("grain", "tokenizers", "safetensors", "tqdm", "tensorboardX", "pytest", "lm_eval")
+                  if importlib.util.find_spec(m) is not None]
+        assert not absent, f"not core packages, importable: {absent}"
+        sys.modules["ml_collections"] = None  # the layers without it: jax, flax and numpy
+        import jax, jax.numpy as jnp, numpy as np
+        import deltares.nn
+        from deltares.nn import DepthRouter, DepthRouting, DepthStack, depth_route
+        from deltares.nn.routing import inv_rms
+        sources = jax.random.normal(jax.random.key(0), (3, 2, 4, 8))
+        valid = jnp.array([True, True, False])
+        out = depth_route(sources, valid, jnp.zeros(8), jnp.ones(8))
+        np.testing.assert_allclose(out, sources[:2].mean(0), atol=1e-6)  # a zero query: uniform over the valid
+        router = DepthRouter()
+        variables = router.init(jax.random.key(1), sources, inv_rms(sources), valid)
+        routed, weights = router.apply(variables, sources, inv_rms(sources), valid)
+        np.testing.assert_allclose(routed, out, atol=1e-6)
+        layers = sorted({m.split(".")[0] for m in sys.modules if sys.modules[m] is not None})
+        del sys.modules["ml_collections"]
+        from deltares.nn import Transformer, model_config
+        cfg = model_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
+                           dtype="float32", residual=dict(mode="delta_block", block_layers=1))
+        tokens = jnp.zeros((1, 4), jnp.int32)
+        model = Transformer(cfg)
+        logits = model.apply(model.init(jax.random.key(2), tokens), tokens)
+        assert logits.shape == (1, 4, 32), logits.shape
+        print(json.dumps(dict(layers=layers, deltares=deltares.__file__)))
+    """], cwd=work, env=env)
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "ml_collections" not in found["layers"], found["layers"]
+    assert os.path.realpath(found["deltares"]).startswith(os.path.realpath(ROOT) + os.sep)
+
+    # A tool without the train extra: one line naming what is missing, no traceback
+    tool = _run([python, "-I", "-m", "deltares.train", "--help"], cwd=work, env=env, status=1)
+    lines = tool.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in tool.stderr, tool.stderr
+    assert "grain" in lines[0] and "tokenizers" in lines[0] and '".[train]"' in lines[0], lines[0]
+    print(f"core environment ({len(closure)} distributions), layers, model, a tool: {time.perf_counter() - start:.1f} s")
+
+
+def test_citation_file_cites_the_paper_and_this_version():
+    """CITATION.cff (CFF 1.2.0; `cffconvert --validate` passed on it, 2026-12-05): the software, with the
+    package's version and license, and the paper as the preferred citation."""
+    import yaml
+
+    with open(os.path.join(ROOT, "CITATION.cff")) as f:
+        cff = yaml.safe_load(f)
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software" and cff["message"] and cff["authors"]
+    assert cff["version"] == deltares.__version__
+    assert cff["license"] == _pyproject()["license"] == "Apache-2.0"
+    paper = cff["preferred-citation"]
+    assert paper["title"] == "Delta Attention Residuals" and paper["year"] == 2026
+    assert [a["family-names"] for a in paper["authors"]] == ["Luo", "Cai", "Hu"]

@@ -8,16 +8,17 @@ error deep inside a compile.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-from ml_collections.config_dict import placeholder
 
 from deltares.command_line import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Domain
 from deltares.nn.attention import ATTENTION_IMPLS
 from kernels_pallas.depth_route.api import IMPLEMENTATIONS as ROUTING_IMPLS  # config.model.residual.impl
+
+if TYPE_CHECKING:
+    import ml_collections
 
 Mode = Literal["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]  # a residual scheme
 MODES = get_args(Mode)
@@ -110,6 +111,9 @@ def _lookup(cfg, name: str):
 def build_config(fields, overrides: dict | None = None) -> ml_collections.ConfigDict:
     """A ConfigDict with every field of `fields` at its default (unset fields as typed placeholders),
     then `overrides` (nested dicts) applied."""
+    import ml_collections  # here, not at the top: the layers of deltares.nn do without it
+    from ml_collections.config_dict import placeholder
+
     tree: dict = {}
     for f in fields:
         *sections, key = f.name.split(".")
@@ -123,6 +127,8 @@ def build_config(fields, overrides: dict | None = None) -> ml_collections.Config
 
 
 def _update(cfg, overrides: dict) -> None:
+    import ml_collections
+
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(cfg.get(key), ml_collections.ConfigDict):
             _update(cfg[key], value)

@@ -11,7 +11,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-import ml_collections
 
 from deltares.nn.axes import STREAM_AXES
 from deltares.nn.config import REMAT_POLICIES, dtype_of, validate_model_config
@@ -27,6 +26,8 @@ from deltares.nn.stack import stack_layers
 
 
 def _frozen(cfg):
+    import ml_collections  # here, not at the top: the layers of deltares.nn do without it
+
     if isinstance(cfg, ml_collections.FrozenConfigDict):
         return cfg
     return ml_collections.FrozenConfigDict(cfg)
@@ -60,7 +61,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None, targets_BT=None,
                  segments_BT=None):
         """Logits [B, T, V] (float32), and routing stats with `return_stats` (also sown as
-        variables["routing"]["stats"] where `routing` is mutable: deltares.nn.routed.sublayer_stats).
+        `variables["routing"]["stats"]` where `routing` is mutable: deltares.nn.routed.sublayer_stats).
 
         `targets_BT` (the loss path): per-token NLL [B, T] (float32) of those targets in place
         of the logits, computed `config.loss_chunk` tokens at a time (`head_token_nll`), so

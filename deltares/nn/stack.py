@@ -169,7 +169,7 @@ class DepthStack(nn.Module):
     `epsilon`: the routers' key-norm epsilon. `axis_names`: your logical axis names of the stream
     and the source buffer (deltares.nn.axes: roles `batch`, `length`, `embed`, `sources`).
     Routing statistics (per sublayer: mean weight per source slot, mean max weight, mean entropy,
-    number of sources) are sown as variables["routing"]["stats"] when you apply the stack with
+    number of sources) are sown as `variables["routing"]["stats"]` when you apply the stack with
     `mutable=["routing"]`."""
 
     sublayers: tuple

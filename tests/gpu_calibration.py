@@ -166,7 +166,8 @@ def fit(rows: list[Row], bandwidth: float) -> tuple[float, float, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="", help="only rows whose name contains this")
-    parser.add_argument("--cache", default=os.path.join(ROOT, "runs", "gpu_calibration"))
+    parser.add_argument("--cache", default=os.path.join("runs", "gpu_calibration"),
+                        help="where each row's kernels are kept (default runs/gpu_calibration)")
     parser.add_argument("--json", default="", help="also write the rows and the fit to this file")
     args = parser.parse_args(argv)
     from deltares.training.gpu_step_time import bandwidth_of

@@ -142,15 +142,21 @@ def test_gpu_estimate_reads_every_kernel_of_the_step(h100_compiles):
     for label in ("xla", "pallas", "auto_bf16"):
         report = h100_compiles[label][0]
         e = report["estimate"]
-        assert e["flops"] == pytest.approx(report["flops_per_step"], rel=0.1), label
+        attention = e["by_kind"].get("attention (cuDNN)", {}).get("flops", 0.0)  # the jaxpr counts no cuDNN call
+        assert e["flops"] - attention == pytest.approx(report["flops_per_step"], rel=0.1), label
         assert e["seconds"] == pytest.approx(sum(row["seconds"] for row in e["by_kind"].values()))
         assert e["kernels"] == sum(row["kernels"] for row in e["by_kind"].values()) > 0
         assert e["routing_kernels"] > 0 and e["kernels_per_sublayer"] == e["kernels"] / (2 * report["n_layers"])
-        assert e["seconds"] >= e["launch_seconds"] > 0 and 0 < e["mfu"] < 1
+        assert e["seconds"] > e["launch_seconds"] >= 0 and 0 < e["mfu"] < 1
     xla, pallas = h100_compiles["xla"][0]["estimate"], h100_compiles["pallas"][0]["estimate"]
     assert pallas["by_kind"]["Pallas kernels (Triton)"]["kernels"] >= 2 and "Pallas kernels (Triton)" not in xla["by_kind"]
     assert pallas["routing_kernels"] < xla["routing_kernels"]
-    assert "attention (cuDNN)" in h100_compiles["auto_bf16"][0]["estimate"]["by_kind"]
+    # cuDNN's causal attention, forward and backward (2.5 times the forward), in each of the 3 layers of
+    # experiments/debug.py (4 heads of 16): 4 B H T T D / 2 a forward
+    report = h100_compiles["auto_bf16"][0]
+    B, T, H, D = report["global_batch"], report["seq_len"], 4, 16
+    cudnn = report["estimate"]["by_kind"]["attention (cuDNN)"]
+    assert cudnn["kernels"] == 2 * 3 and cudnn["flops"] == 3 * 3.5 * 4 * B * H * T * T * D / 2
 
 
 @needs_cuda_compiler

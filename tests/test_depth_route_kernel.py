@@ -202,6 +202,27 @@ def test_auto_is_the_kernel_measured_fastest_on_each_platform(monkeypatch):
                                       routing.depth_route(sources, valid, query, gain, res))
 
 
+def test_transformer_routes_auto_in_xla_under_remat_and_for_statistics():
+    """The Transformer's routers: "auto" stays "auto" (the kernel on a GPU) without remat, and is XLA under
+    remat, for routing statistics and with a null source outside two-phase routing; an explicit choice is
+    kept under remat."""
+    from deltares.nn.decoder import router_impl
+    from experiments.debug import get_config
+
+    model = get_config("delta_block").model
+    model.remat, model.residual.impl = "none", "auto"
+    assert router_impl(model) == "auto" and router_impl(model, return_stats=True) == "xla"
+    model.residual.null_source = True
+    assert router_impl(model) == "xla" and router_impl(model, two_phase=True) == "auto"
+    model.residual.null_source = False
+    for remat in ("full", "dots"):
+        model.remat = remat
+        assert router_impl(model) == "xla"
+        model.residual.impl = "pallas_gpu"
+        assert router_impl(model) == "pallas_gpu"
+        model.residual.impl = "auto"
+
+
 @pytest.mark.parametrize("D", [1280, 8192])
 def test_gpu_kernel_lowers_to_triton_for_cuda(D):
     """The Triton lowering (power-of-two blocks, masked loads) runs without a GPU: the single-query

@@ -89,8 +89,8 @@ MODEL_FIELDS = (
           "slots its segment can have written (docs/explanations/performance.md: fewer bytes, more compiled bodies); 1 "
           "(default): one scan, every router reading all slots (masked)"),
     Field("residual.impl", "auto", str, ROUTING_IMPLS, "depth routing: auto (default: the fastest measured on the "
-          "platform: the fused Triton kernel per sublayer on NVIDIA GPUs, xla elsewhere and for two-phase routing's "
-          "phase one), xla, or the fused Pallas kernel (pallas: the target platform's; no routing weights; a null "
+          "platform: the fused Triton kernel per sublayer on NVIDIA GPUs without remat, xla elsewhere, under remat "
+          "and for two-phase routing's phase one), xla, or the fused Pallas kernel (pallas: the target platform's; no routing weights; a null "
           "source only with two-phase routing)"),
     Field("residual.interpret", False, bool, None, "run the Pallas kernels (depth routing, splash attention) in "
           "interpret mode (CPU tests)"),

@@ -25,6 +25,18 @@ from deltares.nn.layers import MLP, Attention, DepthRouter, RMSNorm
 from deltares.nn.routed import DepthRouting
 
 
+def router_impl(model_cfg, return_stats: bool = False, two_phase: bool = False) -> str:
+    """The routing implementation of the Transformer's routers: `residual.impl`, but XLA where statistics need
+    the weights, where a null source has no kernel (outside the two-phase merge, which is XLA), and for "auto"
+    under remat: the backward pass would recompute the kernel's forward and the stacking of its sources
+    (1044M on an H200, 12 layers, remat full: XLA 1.035x baseline's step, the kernel 1.052x). "auto" is then
+    resolved by platform (kernels_pallas.depth_route.api.implementation_for)."""
+    res = model_cfg.residual
+    if return_stats or (res.null_source and not two_phase) or (res.impl == "auto" and model_cfg.remat != "none"):
+        return "xla"
+    return res.impl
+
+
 class DecoderLayer(nn.Module):
     """Layer `l` of a Transformer with config `config` (a `config.model`)."""
 
@@ -32,12 +44,11 @@ class DecoderLayer(nn.Module):
     return_stats: bool = False
 
     def _router(self, name: str, routing: DepthRouting, two_phase: bool):
-        """Sublayer `name`'s router, or None in baseline. Statistics need the weights, and a null source
-        has no kernel outside the two-phase merge (which is XLA): those route in XLA."""
+        """Sublayer `name`'s router, or None in baseline."""
         if not routing.uses_routers:
             return None
         res = self.config.residual
-        impl = "xla" if self.return_stats or (res.null_source and not two_phase) else res.impl
+        impl = router_impl(self.config, self.return_stats, two_phase)
         return DepthRouter(res.gate, res.null_source, impl, res.interpret, self.config.norm_eps, name=f"{name}_router")
 
     def _pre_norm(self, name: str, body):

@@ -18,7 +18,6 @@ overlap between kernels, or how well a given kernel uses the device.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 from deltares.training.hlo_kernels import Kernel, kernels, parse_module
@@ -143,11 +142,3 @@ def estimate(hlo_text: str, gpu: str, n_layers: int, cal: Calibration = CALIBRAT
                          launch_seconds=cal.launch_seconds, fitted_on=cal.fitted_on),
         caveat=CAVEAT,
     )
-
-
-def kernel_counts(hlo_text: str) -> Counter:
-    """Launches per kernel kind of a compiled program (for tests and reports)."""
-    c: Counter = Counter()
-    for k in program_kernels(hlo_text):
-        c[kind_of(k)] += k.count
-    return c

@@ -125,7 +125,7 @@ def test_shard_map_specs_come_from_the_logical_rules():
     from jax.sharding import PartitionSpec as P
 
     from deltares.nn.axes import SOURCES_AXES
-    from deltares.nn.layers import shard_spec
+    from deltares.nn.axes import shard_spec
     from deltares.training.sharding import LOGICAL_RULES
 
     mesh = AbstractMesh((2, 2, 4), ("data", "fsdp", "tensor"))
@@ -137,3 +137,19 @@ def test_shard_map_specs_come_from_the_logical_rules():
     with nn.logical_axis_rules((("batch", "tensor"), ("act_embed", "data"))):
         assert shard_spec(mesh, SOURCES_AXES, (5, 4, 3, 16)) == P(None, "tensor", None, "data")
     assert shard_spec(mesh, SOURCES_AXES, (5, 4, 3, 16)) == P(None, None, None, None)
+
+
+def test_attention_and_layers_do_not_import_each_other():
+    """The sharding helpers live in deltares.nn.axes: attention needs them without importing layers
+    (which imports attention), so neither module imports the other in a cycle."""
+    import ast  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def imported(path):
+        tree = ast.parse(open(os.path.join(root, path)).read())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+    assert "deltares.nn.layers" not in imported("deltares/nn/attention.py")
+    assert "deltares.nn.attention" in imported("deltares/nn/layers.py")
+    assert "deltares.nn.axes" in imported("deltares/nn/attention.py")

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from deltares.nn.axes import shard_spec
 from kernels_pallas.depth_route.api import target_platform
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
@@ -164,8 +165,6 @@ def _splash(q_BTHE, k_BTKE, v_BTKE, segments_BT, interpret: bool):
     """`_splash_local` inside `jax.shard_map` under a mesh of several devices: sequences split over the
     batch's mesh axes and key/value heads (with their query heads) over the heads' axes where both
     divide evenly; tokens and head width whole."""
-    from deltares.nn.layers import shard_spec  # noqa: PLC0415 - layers imports this module
-
     splash_block(q_BTHE.shape[1])
     local = functools.partial(_splash_local, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()

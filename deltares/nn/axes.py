@@ -12,9 +12,11 @@ the caller's rules in context, so routing shards as the caller's own activations
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 
 import flax.linen as nn
+import jax
 
 ROLES = {"batch": "batch", "length": "length", "embed": "act_embed", "sources": "sources"}  # role -> deltares' name
 STREAM_AXES = (ROLES["batch"], ROLES["length"], ROLES["embed"])  # the stream and each source [B, T, D]
@@ -62,4 +64,19 @@ def use_axis_names(axis_names: Mapping | None):
         yield
 
 
-__all__ = ["ROLES", "SOURCES_AXES", "STREAM_AXES", "alias_rules", "check_axis_names", "use_axis_names"]
+def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
+    """The `jax.shard_map` spec of an array with logical axis `names` and `shape` on `mesh`, from
+    the logical axis rules in context (`nn.logical_axis_rules`; training and AOT set
+    deltares.training.sharding.LOGICAL_RULES): mesh axes of size 1 are dropped, and a dimension
+    its axes do not divide evenly stays whole. Without rules every dimension is whole."""
+    spec = []
+    for axes, size in zip(nn.logical_to_mesh_axes(names), shape):
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape.get(a, 1) > 1)
+        if not axes or size % math.prod(mesh.shape[a] for a in axes):
+            spec.append(None)
+        else:
+            spec.append(axes[0] if len(axes) == 1 else axes)
+    return jax.sharding.PartitionSpec(*spec)
+
+
+__all__ = ["ROLES", "SOURCES_AXES", "STREAM_AXES", "alias_rules", "check_axis_names", "shard_spec", "use_axis_names"]

@@ -7,7 +7,6 @@ maps them onto mesh axes through one rules table; here they are only labels.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 
 from deltares.nn import routing
 from deltares.nn.attention import causal_attention
-from deltares.nn.axes import SOURCES_AXES
+from deltares.nn.axes import SOURCES_AXES, shard_spec
 from kernels_pallas.depth_route.api import implementation_for
 
 Dtype = Any
@@ -270,23 +269,6 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     acc = routing.accumulation_dtype(route_BTD.dtype)
     out_BTD = residual_BTD.astype(acc) + gate[0].astype(acc) * route_BTD.astype(acc)
     return out_BTD.astype(sources_SBTD[0].dtype), weights_SBT
-
-
-def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
-    """The `jax.shard_map` spec of an array with logical axis `names` and `shape` on `mesh`, from
-    the logical axis rules in context (`nn.logical_axis_rules`; training and AOT set
-    deltares.training.sharding.LOGICAL_RULES): mesh axes of size 1 are dropped, and a dimension
-    its axes do not divide evenly stays whole. Without rules every dimension is whole."""
-    spec = []
-    for axes, size in zip(nn.logical_to_mesh_axes(names), shape):
-        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if mesh.shape.get(a, 1) > 1)
-        if not axes or size % math.prod(mesh.shape[a] for a in axes):
-            spec.append(None)
-        else:
-            spec.append(axes[0] if len(axes) == 1 else axes)
-    return jax.sharding.PartitionSpec(*spec)
-
-
 
 
 def _d_split(shape):

@@ -22,6 +22,7 @@ from flax import nnx
 
 from deltares.nn.config import BLOCK_MODES
 from deltares.nn.layers import DepthRouter
+from deltares.nn.nnx import DepthStack as NNXDepthStack
 from deltares.nn.routed import DepthRouting
 from deltares.nn.stack import DepthStack
 
@@ -187,3 +188,61 @@ def test_keywords_go_to_the_sublayer_that_takes_them():
         stack.apply(variables, E_BTD, mask=MASK_T)
     with pytest.raises(TypeError, match="hashable"):
         stack.apply(variables, E_BTD, mask_T=MASK_T, deterministic=[True])
+
+
+class NNXAttn(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, D)) * 0.5)
+
+    def __call__(self, x_BTD, *, mask_T):
+        out_BTD, mean = attn_math(self.w[...], x_BTD, mask_T)
+        self.sow(nnx.Intermediate, "mean", mean)
+        return out_BTD
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (D, D)) * 0.5)
+        self.mean = nnx.BatchStat(jnp.zeros((D,)))
+        self.rng = rngs["dropout"].fork()
+
+    def __call__(self, x_BTD, deterministic: bool = True):
+        self.mean[...] = 0.9 * self.mean[...] + 0.1 * x_BTD.mean((0, 1))
+        keep_BTD = jnp.ones(x_BTD.shape, bool) if deterministic else jax.random.bernoulli(self.rng(), 1 - RATE,
+                                                                                           x_BTD.shape)
+        self.sow(nnx.Intermediate, "keep", keep_BTD)
+        return mlp_math(self.w[...], x_BTD, keep_BTD)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(store_once=False), dict(scan=False)], ids=["store_once", "plain", "unrolled"])
+def test_nnx_stack_threads_rngs_sown_values_collections_and_keywords(kw):
+    mode = "delta"
+    stack = NNXDepthStack(lambda rngs: (NNXAttn(rngs), NNXMLP(rngs)), L, D, mode, rngs=nnx.Rngs(0, dropout=1), **kw)
+    state = nnx.state(stack, nnx.Param)
+    nnx.replace_by_pure_dict(state, _random_routers(nnx.to_pure_dict(state)))
+    nnx.update(stack, state)
+    params = nnx.to_pure_dict(nnx.state(stack, nnx.Param))
+    stats_LD = jnp.zeros((L, D))
+
+    def loss(m):
+        return _loss(m(E_BTD, mask_T=MASK_T, deterministic=False))
+
+    step = nnx.jit(nnx.value_and_grad(loss))
+    value, grads = step(stack)
+    sown = nnx.to_pure_dict(nnx.pop(stack, nnx.Intermediate))["layers"]
+    keep_LBTD = sown["mlp"]["keep"][0]
+    assert keep_LBTD.shape == (L, B, T, D) and 0.3 < float(keep_LBTD.mean()) < 0.7
+    assert bool(jnp.any(keep_LBTD[0] != keep_LBTD[1])), "the same mask in two layers"
+
+    def ref_loss(p):
+        out_BTD, means, new_stats = reference(mode, p, keep_LBTD, stats_LD)
+        return _loss(out_BTD), (means, new_stats)
+
+    (want, (means, new_stats)), want_grads = jax.value_and_grad(ref_loss, has_aux=True)(params)
+    np.testing.assert_allclose(value, want, atol=1e-4, rtol=0)
+    _close(nnx.to_pure_dict(grads), want_grads)
+    np.testing.assert_allclose(sown["attn"]["mean"][0], means, atol=1e-5)
+    np.testing.assert_allclose(stack.layers.mlp.mean[...], new_stats, atol=1e-5)
+    step(stack)  # the next step draws new masks
+    again = nnx.to_pure_dict(nnx.pop(stack, nnx.Intermediate))["layers"]["mlp"]["keep"][0]
+    assert bool(jnp.any(again != keep_LBTD)), "the same masks in the next step"

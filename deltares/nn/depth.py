@@ -249,7 +249,7 @@ def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
 
 def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan, unroll: bool = False,
                eps: float = routing.NORM_EPS, queries_fn: Callable | None = None, impl: str = "xla",
-               interpret: bool = False):
+               interpret: bool = False, consts: Any = None):
     """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
     `params_L`; returns (final state, stacked stats). Differentiable in params and state.
 
@@ -262,8 +262,17 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
     With `queries_fn(params_l) -> (query [2, D], gain [2, D])` (the layer's two routers), routing
     is two-phase over groups of `plan.group_layers` layers (`_grouped_forward`): `layer_fn` is then
     also called with `prefix=` a `Prefix` of the layer's two sublayers (leading axis 2). Phase one
-    routes with `impl` (`layers.route_prefix`: xla or the fused K-query kernel, `interpret` for tests)."""
+    routes with `impl` (`layers.route_prefix`: xla or the fused K-query kernel, `interpret` for tests).
+
+    `consts` (a pytree, or None): values every layer reads but that are not differentiated (rng
+    keys, a cache, batch statistics), passed to `layer_fn` as `consts=` in both passes. They must
+    come in here rather than in `layer_fn`'s closure: a closure over a value traced by an outer
+    transformation (NNX's gradient passes a module's whole state) would leak it into the backward."""
     group_prefix = prefix_grad = None
+    outer_layer_fn = layer_fn
+
+    def bind(consts):
+        return outer_layer_fn if consts is None else functools.partial(outer_layer_fn, consts=consts)
     rules = tuple(nn.get_logical_axis_rules())  # the backward pass is traced later, maybe outside this context
     if queries_fn is not None:
         group_prefix = functools.partial(_group_prefix, queries_fn, impl=impl, interpret=interpret, eps=eps)
@@ -271,11 +280,12 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
             prefix_grad = functools.partial(_group_prefix_grad_into, queries_fn, impl=impl, interpret=interpret,
                                             eps=eps)
 
-    def forward(params_L, state):
+    def forward(params_L, state, consts):
+        layer_fn = bind(consts)
         if group_prefix is not None:
             h_0 = state.h_BTD
             final, stats, h_L = _grouped_forward(layer_fn, group_prefix, params_L, state, plan, unroll)
-            return (final, stats), (params_L, h_L, final, h_0)
+            return (final, stats), (params_L, h_L, final, h_0, consts)
 
         h_0 = state.h_BTD
         stats, h_L = [], []  # per segment: the layers' statistics and input streams (block modes)
@@ -291,24 +301,34 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
             stats.append(stats_s)
             h_L.append(h_s)
         stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
-        return (state, stats), (params_L, tuple(h_L), state, h_0)
+        return (state, stats), (params_L, tuple(h_L), state, h_0, consts)
 
     def backward(residuals, cotangents):
-        params_L, h_L, final, h_0 = residuals
+        params_L, h_L, final, h_0, consts = residuals
+        layer_fn = bind(consts)
         d_final, _ = cotangents  # statistics carry no gradient
         with nn.logical_axis_rules(rules):
             streams = h_L if _saves_streams(plan) else _stream_checkpoints(plan, final, h_0, unroll)
             if group_prefix is not None:
-                return _grouped_backward(layer_fn, group_prefix, params_L, streams, final, d_final, plan, unroll,
-                                         eps, prefix_grad)
-            return _sublayer_backward(layer_fn, params_L, streams, final, d_final, plan, unroll, eps)
+                d = _grouped_backward(layer_fn, group_prefix, params_L, streams, final, d_final, plan, unroll,
+                                      eps, prefix_grad)
+            else:
+                d = _sublayer_backward(layer_fn, params_L, streams, final, d_final, plan, unroll, eps)
+        return d + (jax.tree.map(_zero_cotangent, consts),)
 
     @jax.custom_vjp
-    def run(params_L, state):
-        return forward(params_L, state)[0]
+    def run(params_L, state, consts):
+        return forward(params_L, state, consts)[0]
 
     run.defvjp(forward, backward)
-    return run(params_L, state)
+    return run(params_L, state, consts)
+
+
+def _zero_cotangent(x):
+    """The zero cotangent of a value that is not differentiated (float0 for integers and keys)."""
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 def _saves_streams(plan: ResidualPlan) -> bool:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deltares.nn import routing
-from deltares.nn.config import MODES, Mode
+from deltares.nn.config import MODES, ROUTING_IMPLS, Mode
 from deltares.nn.depth import depth_scan
 from deltares.nn.layers import ROUTER_PARAMS, apply_router, router_param_names, router_param_shape
 
@@ -48,31 +48,65 @@ class DepthRouter(nnx.Module):
 class StackLayer(nnx.Module):
     """One layer of an NNX `DepthStack`: sublayer `names[k]` and its router `names[k] + "_router"`."""
 
-    def __init__(self, sublayers, names, d_model: int, routed: bool, gate: bool, null_source: bool, epsilon: float):
+    def __init__(self, sublayers, names, d_model: int, routed: bool, gate: bool, null_source: bool, epsilon: float,
+                 router_kw: dict | None = None):
         self.names = tuple(names)
         for name, module in zip(self.names, sublayers):
             setattr(self, name, module)
-            setattr(self, f"{name}_router", DepthRouter(d_model, gate=gate, null_source=null_source, epsilon=epsilon)
-                    if routed else None)
+            setattr(self, f"{name}_router", DepthRouter(d_model, gate=gate, null_source=null_source, epsilon=epsilon,
+                                                         **(router_kw or {})) if routed else None)
 
-    def pairs(self, args):
-        """[(router, f)] for `DepthRouting.layer`, each f(x) = sublayer(x, *args)."""
-        return [(getattr(self, f"{name}_router"), lambda x, m=getattr(self, name): m(x, *args)) for name in self.names]
+    def pairs(self, args, kwargs=None):
+        """[(router, f)] for `DepthRouting.layer`, each f(x) = sublayer(x, *args, **the kwargs it takes)."""
+        from deltares.nn.stack import check_keywords, takes_keyword  # noqa: PLC0415 - stack imports routed, which imports this module
+
+        kwargs = kwargs or {}
+        modules = [getattr(self, name) for name in self.names]
+        check_keywords(modules, kwargs, self.names)
+        return [(getattr(self, f"{name}_router"),
+                 lambda x, m=m: m(x, *args, **{k: v for k, v in kwargs.items() if takes_keyword(m, k)}))
+                for name, m in zip(self.names, modules)]
+
+
+def _index(tree, layer):
+    return jax.tree.map(lambda a: a[layer], tree)
+
+
+def _no_gradient(tree):
+    return jax.tree.map(lambda a: jax.lax.stop_gradient(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a, tree)
 
 
 class DepthStack(nnx.Module):
     """`n_layers` layers under residual `mode`, NNX: `sublayers(rngs)` returns one layer's two
-    modules (attention and MLP, or any modules mapping [B, T, D], pre-norm included, to a delta;
-    called as `m(x_BTD, *args)`), created `n_layers` times with their state stacked on a leading
-    axis (`nnx.vmap`). Calling the stack on e_BTD returns its output before the final norm.
-    Options as deltares.nn.stack.DepthStack (the linen module): under `remat` the routed modes run
-    the store-once pass (deltares.nn.depth.depth_scan) unless `store_once=False`; `axis_names` your
-    logical axis names of the stream and the source buffer (deltares.nn.axes)."""
+    modules (attention and MLP, or any modules mapping [B, T, D], pre-norm included, to a delta
+    [B, T, D]), created `n_layers` times with their state stacked on a leading axis [n_layers, ...]
+    (`nnx.vmap`, each layer's rng streams split). `stack(e_BTD, *args, **kwargs)` returns the
+    output [B, T, D] before the final norm; each sublayer is called as `m(x_BTD, *args, **kw)` with
+    the keyword arguments its `__call__` takes (TypeError for one that neither takes).
+
+    What the layers hold besides parameters (`nnx.Param`, differentiated) passes through the
+    stack: rng streams (`nnx.Dropout(rngs=)`: masks differ per layer and per call; the store-once
+    backward pass recomputes a layer with its forward's masks), batch statistics, caches and
+    values sown with `self.sow` are read per layer and written back, stacked on the layer axis
+    (under store-once, written values carry no gradient). With `stats=True` every call sows the
+    routing statistics (deltares.nn.routed.sublayer_stats) as `nnx.Intermediate` `routing_stats`.
+
+    Options as deltares.nn.stack.DepthStack (the linen module): under `remat` (`policy`: a
+    jax.checkpoint policy) the routed modes run the store-once pass (deltares.nn.depth.depth_scan)
+    unless `store_once=False`; `scan=False` runs the layers as a Python loop (parameters stay
+    stacked; each sublayer reads only the sources it needs; a longer program, compiled slower);
+    `group_layers` > 0 two-phase routing, `scan_segments`; the routers' `impl`, `interpret`,
+    `epsilon`, `dtype`, `param_dtype`, `query_init`, `gain_init`; `axis_names` your logical axis
+    names of the stream and the source buffer (deltares.nn.axes). The routers' parameters carry
+    the logical names ("layers", "embed")."""
 
     def __init__(self, sublayers, n_layers: int, d_model: int, mode: Mode = "delta_block", *, block_layers: int = 1,
                  include_partial: bool = True, gate: bool = False, null_source: bool = False,
-                 epsilon: float = routing.NORM_EPS, remat: bool = True, store_once: bool = True,
-                 names=("attn", "mlp"), axis_names=None, rngs: nnx.Rngs):
+                 epsilon: float = routing.NORM_EPS, remat: bool = True, policy=None, store_once: bool = True,
+                 scan: bool = True, names=("attn", "mlp"), axis_names=None, group_layers: int = 0,
+                 scan_segments: int = 1, impl: str = "xla", interpret: bool = False, dtype=None,
+                 param_dtype=jnp.float32, query_init=nnx.initializers.zeros, gain_init=nnx.initializers.ones,
+                 stats: bool = False, rngs: nnx.Rngs):
         from deltares.nn.routed import DepthRouting  # noqa: PLC0415 - routed imports this module's router
         from deltares.nn.stack import check_names  # noqa: PLC0415
 
@@ -81,9 +115,19 @@ class DepthStack(nnx.Module):
         check_names(names)
         if not callable(sublayers):
             raise ValueError(f"sublayers must be a function of rngs returning a layer's two modules, got {sublayers!r}")
-        self.routing = DepthRouting(mode, n_layers, block_layers, include_partial, epsilon, axis_names)
-        self.remat, self.store_once = remat, store_once
+        if not isinstance(group_layers, int) or group_layers < 0:
+            raise ValueError(f"group_layers must be an integer >= 0 (0: one routing pass per sublayer), got "
+                             f"{group_layers!r}")
+        if impl not in ROUTING_IMPLS:
+            raise ValueError(f"impl must be one of {ROUTING_IMPLS}, got {impl!r}")
+        self.routing = DepthRouting(mode, n_layers, block_layers, include_partial, epsilon, axis_names,
+                                    group_layers=max(1, group_layers), scan_segments=scan_segments)
+        self.remat, self.policy, self.store_once, self.scan = remat, policy, store_once, scan
+        self.group_layers, self.impl, self.interpret, self.stats = group_layers, impl, interpret, stats
+        self.names = tuple(names)
         routed = self.routing.uses_routers
+        router_kw = dict(impl=impl, interpret=interpret, dtype=dtype, param_dtype=param_dtype, query_init=query_init,
+                         gain_init=gain_init)
 
         @nnx.split_rngs(splits=n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -91,26 +135,54 @@ class DepthStack(nnx.Module):
             made = tuple(sublayers(rngs))
             if len(made) != len(names):
                 raise ValueError(f"sublayers(rngs) must return {len(names)} modules, got {len(made)}")
-            return StackLayer(made, names, d_model, routed, gate, null_source, epsilon)
+            return StackLayer(made, names, d_model, routed, gate, null_source, epsilon, router_kw)
 
         self.layers = create(rngs)
-        self.final_router = DepthRouter(d_model, epsilon=epsilon) if self.routing.uses_final_router else None
+        self.final_router = (DepthRouter(d_model, epsilon=epsilon, **router_kw) if self.routing.uses_final_router
+                             else None)
 
-    def __call__(self, e_BTD, *args):
-        graphdef, state_L = nnx.split(self.layers)
+    def _queries(self, params_l):
+        """A layer's two routers' query and gain, each [2, D] (two-phase routing)."""
+        routers = [params_l[f"{name}_router"] for name in self.names]
+        return tuple(jnp.stack([jnp.asarray(r[key][...]) for r in routers]) for key in ("query", "gain"))
+
+    def __call__(self, e_BTD, *args, **kwargs):
+        from deltares.nn.routed import sublayer_stats  # noqa: PLC0415 - routed imports this module's router
+
+        if jnp.ndim(e_BTD) != 3:
+            raise ValueError(f"the stack's input is [B, T, D], got shape {jnp.shape(e_BTD)}")
+        graphdef, params_L, rest_L = nnx.split(self.layers, nnx.Param, ...)
         routing_ = self.routing
+        stats = self.stats
 
-        def layer_fn(state_l, state, layer, only=None):
-            return routing_.layer(state, layer, nnx.merge(graphdef, state_l).pairs(args), only=only)
+        def layer_fn(params_l, state, layer, only=None, prefix=None, consts=None):
+            rest = rest_L if consts is None else consts  # the layers' state but parameters
+            module = nnx.merge(graphdef, params_l, _index(rest, layer))
+            out = routing_.layer(state, layer, module.pairs(args, kwargs), only=only, prefix=prefix, stats=stats)
+            if only is not None:  # the backward pass's recomputation: what it writes is the forward's
+                return out
+            return out[0], (out[1], _no_gradient(nnx.state(module, nnx.Not(nnx.Param))))
 
+        grouped = self.group_layers > 0 and routing_.uses_routers and not stats
         with routing_.names():
             depth = routing_.start(e_BTD)
-            if self.remat and self.store_once and routing_.uses_routers:
-                depth, _ = depth_scan(layer_fn, state_L, depth, routing_.plan, eps=routing_.epsilon)
+            if not self.scan:
+                outs = []
+                for layer in range(routing_.n_layers):
+                    depth, out = layer_fn(_index(params_L, layer), depth, layer)
+                    outs.append(out)
+                stats_L2, written_L = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            elif self.remat and self.store_once and routing_.uses_routers:
+                depth, (stats_L2, written_L) = depth_scan(layer_fn, params_L, depth, routing_.plan, eps=routing_.epsilon,
+                                                       consts=rest_L, queries_fn=self._queries if grouped else None, impl=self.impl,
+                                                       interpret=self.interpret)
             else:
-                step = jax.checkpoint(layer_fn) if self.remat else layer_fn
-                depth = jax.lax.scan(lambda d, xs: step(xs[0], d, xs[1]), depth,
-                                     (state_L, jnp.arange(routing_.n_layers)))[0]
+                step = jax.checkpoint(layer_fn, policy=self.policy) if self.remat else layer_fn
+                depth, (stats_L2, written_L) = jax.lax.scan(lambda d, xs: step(xs[0], d, xs[1]), depth,
+                                                         (params_L, jnp.arange(routing_.n_layers)))
+            nnx.update(self.layers, written_L)
+            if stats:
+                self.sow(nnx.Intermediate, "routing_stats", sublayer_stats(stats_L2, routing_.plan))
             return routing_.output(depth, self.final_router)
 
 

@@ -223,9 +223,10 @@ def _store_once(parent: nn.Module, layer: nn.Module, routing: DepthRouting, stat
     mutable = parent.scope.mutable
     threads = bool(others_L or keys or capture or _mutable_beyond_params(parent))
 
-    def layer_fn(params_l, state, index, only=None, prefix=None):
+    def layer_fn(params_l, state, index, only=None, prefix=None, consts=None):
         if not threads:
             return layer.apply({"params": params_l}, state, index, None, *args, only=only, prefix=prefix)
+        others_L, keys = consts
         variables_l = {"params": params_l, **jax.tree.map(lambda a: a[index], others_L)}
         rngs = {name: jax.random.fold_in(key, index) for name, key in keys.items()}
         out = layer.apply(variables_l, state, index, None, *args, only=only, prefix=prefix, rngs=rngs,
@@ -237,7 +238,8 @@ def _store_once(parent: nn.Module, layer: nn.Module, routing: DepthRouting, stat
         written = jax.lax.stop_gradient({c: v for c, v in written.items() if c != "params"})
         return state, (stats, written)
 
-    state, out = depth_scan(layer_fn, params_L, state, routing.plan, eps=routing.epsilon, **kw)
+    state, out = depth_scan(layer_fn, params_L, state, routing.plan, eps=routing.epsilon,
+                            consts=(others_L, keys) if threads else None, **kw)
     if not threads:
         return state, out
     stats, written_L = out

@@ -2,9 +2,9 @@
 
     python -m examples.gpt_nnx          # from the repository root: a few training steps on Moby-Dick
 
-The same architecture and configuration as the linen example; deltares supplies
-`DepthRouting` (routed inputs, source bookkeeping) and the NNX `DepthRouter` (one
-sublayer's routing parameters, named and initialised as the linen one).
+The same architecture and configuration as the linen example; deltares supplies the NNX
+`DepthStack` (the two sublayers created `n_layers` times with their state stacked, one
+`DepthRouter` per sublayer, named and initialised as the linen one, the store-once backward pass).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from deltares.nn.nnx import DepthRouter
+from deltares.nn.nnx import DepthStack
 from examples.gpt_linen import GPTConfig, builtin_batches, loss_fn, rms_norm, rope
 
 init = nnx.initializers.normal(stddev=0.02)
@@ -61,40 +61,27 @@ class MLP(nnx.Module):
         return (nnx.silu(x_BTD @ self.gate[...]) * (x_BTD @ self.up[...])) @ self.down[...]
 
 
-class Block(nnx.Module):
-    """Layer `layer`: attention then MLP, each reading its routed input and adding its delta."""
+class PreNorm(nnx.Module):
+    """A sublayer of the stack: RMSNorm, then `body` (Attention or MLP), mapping [B, T, D] to its delta."""
 
-    def __init__(self, cfg: GPTConfig, layer: int, rngs: nnx.Rngs):
-        self.cfg, self.layer = cfg, layer
-        self.attn, self.mlp = Attention(cfg, rngs), MLP(cfg, rngs)
-        self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model, cfg.eps), RMSNorm(cfg.d_model, cfg.eps)
-        routed = cfg.routing().uses_routers  # baseline has no routers
-        self.attn_router, self.mlp_router = (DepthRouter(cfg.d_model, epsilon=cfg.eps) if routed else None
-                                             for _ in range(2))
+    def __init__(self, cfg: GPTConfig, body, rngs: nnx.Rngs):
+        self.norm, self.body = RMSNorm(cfg.d_model, cfg.eps), body(cfg, rngs)
 
-    def __call__(self, state):
-        routing = self.cfg.routing()
-        sublayers = ((self.attn_router, self.attn_norm, self.attn), (self.mlp_router, self.mlp_norm, self.mlp))
-        for k, (router, norm, sublayer) in enumerate(sublayers):
-            j = 2 * self.layer + k
-            state = routing.add(state, j, sublayer(norm(routing.input(state, j, router))))
-        return state
+    def __call__(self, x_BTD):
+        return self.body(self.norm(x_BTD))
 
 
 class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, layer, rngs) for layer in range(cfg.n_layers)])
+        self.stack = DepthStack(lambda rngs: (PreNorm(cfg, Attention, rngs), PreNorm(cfg, MLP, rngs)), cfg.n_layers,
+                                cfg.d_model, cfg.mode, block_layers=cfg.routing().block_layers, epsilon=cfg.eps,
+                                rngs=rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.eps)
-        self.final_router = DepthRouter(cfg.d_model, epsilon=cfg.eps) if cfg.routing().uses_final_router else None
 
     def __call__(self, tokens_BT):
-        routing = self.cfg.routing()
-        state = routing.start(self.embed(tokens_BT))
-        for block in self.blocks:
-            state = block(state)
-        return self.embed.attend(self.final_norm(routing.output(state, self.final_router)))
+        return self.embed.attend(self.final_norm(self.stack(self.embed(tokens_BT))))
 
 
 def train(cfg: GPTConfig, steps: int = 20, seq_len: int = 64, batch: int = 8, lr: float = 3e-3, workdir=None):

@@ -36,11 +36,16 @@ def _cfg(mode):
 
 
 def _random_like(params, seed=1):
-    """Every parameter redrawn: matrices normal(0, 0.5), gains and queries around 1."""
-    leaves, tree = jax.tree.flatten(params)
+    """Every parameter redrawn: matrices normal(0, 0.5), gains and queries around 1 (the stack's
+    per-layer vectors [L, D] count as vectors)."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    new = [jax.random.normal(k, x.shape) * (0.5 if x.ndim > 1 else 0.3) + (0 if x.ndim > 1 else 1)
-           for k, x in zip(keys, leaves)]
+
+    def matrix(path, x):
+        return x.ndim - ("'layers'" in jax.tree_util.keystr(path)) > 1
+
+    new = [jax.random.normal(k, x.shape) * (0.5 if matrix(path, x) else 0.3) + (0 if matrix(path, x) else 1)
+           for k, (path, x) in zip(keys, leaves)]
     return jax.tree.unflatten(tree, new)
 
 
@@ -50,25 +55,24 @@ def _linen_params(mode):
 
 
 def to_transformer(p: dict, n_layers: int) -> dict:
-    """The example's linen parameters under deltares' Transformer (unrolled) names."""
+    """The example's linen parameters (its DepthStack's, stacked) under deltares' Transformer (unrolled) names."""
     out = {"embed": p["embed"], "final_norm": p["final_norm"]}
-    if "final_router" in p:
-        out["final_router"] = p["final_router"]
+    if "final_router" in p["stack"]:
+        out["final_router"] = p["stack"]["final_router"]
     for layer in range(n_layers):
-        b = p[f"block_{layer}"]
-        attn = {f"{n}_proj": {"kernel": b["attn"][n]} for n in ("q", "k", "v", "o")}
-        attn.update(q_norm={"scale": b["attn"]["q_norm"]}, k_norm={"scale": b["attn"]["k_norm"]})
+        b = jax.tree.map(lambda a, layer=layer: a[layer], p["stack"]["layers"])
+        attn = {f"{n}_proj": {"kernel": b["attn"]["body"][n]} for n in ("q", "k", "v", "o")}
+        attn.update(q_norm={"scale": b["attn"]["body"]["q_norm"]}, k_norm={"scale": b["attn"]["body"]["k_norm"]})
         out[f"layers_{layer}"] = dict(
-            attn=attn, mlp={f"{n}_proj": {"kernel": b["mlp"][n]} for n in ("gate", "up", "down")},
-            **{k: b[k] for k in ("attn_norm", "mlp_norm", "attn_router", "mlp_router") if k in b})
+            attn=attn, mlp={f"{n}_proj": {"kernel": b["mlp"]["body"][n]} for n in ("gate", "up", "down")},
+            attn_norm=b["attn"]["norm"], mlp_norm=b["mlp"]["norm"],
+            **{k: b[k] for k in ("attn_router", "mlp_router") if k in b})
     return out
 
 
 def linen_to_nnx(p: dict, n_layers: int) -> dict:
-    """The example's linen parameters as the NNX example's pure state dict."""
-    out = {k: p[k] for k in ("embed", "final_norm", "final_router") if k in p}
-    out["blocks"] = {layer: p[f"block_{layer}"] for layer in range(n_layers)}
-    return out
+    """The example's linen parameters as the NNX example's pure state dict (the same stacked layout)."""
+    return {"embed": p["embed"], "final_norm": p["final_norm"], "stack": p["stack"]}
 
 
 def _transformer(mode):
@@ -117,7 +121,7 @@ def test_nnx_example_equals_linen_values_and_gradients(mode):
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(g, e, atol=TOL * max(1.0, float(jnp.abs(e).max())), rtol=0)
     if mode != "baseline":  # the routers learn
-        assert float(jnp.abs(expected["blocks"][2]["mlp_router"]["query"]).max()) > 1e-4
+        assert float(jnp.abs(expected["stack"]["layers"]["mlp_router"]["query"][2]).max()) > 1e-4
     ref = _transformer(mode).apply({"params": to_transformer(params, CFG.n_layers)}, TOKENS)
     np.testing.assert_allclose(nnx_model(TOKENS), ref, atol=TOL * max(1.0, float(jnp.abs(ref).max())), rtol=0)
 
@@ -264,3 +268,19 @@ def test_small_model_config_works_as_it_stands():
     assert logits.shape == (1, 4, 11)
     with pytest.raises(ValueError, match="block_layers"):  # a block size given explicitly is still checked
         Transformer(model_config(n_layers=2, residual=dict(block_layers=3)))
+
+
+@pytest.mark.parametrize("mode", ("delta_block", "full_attnres"))
+def test_linen_example_generates_with_its_kv_cache_as_its_full_forward_pass(mode):
+    """The example's GPT decodes through its DepthStack with a key/value cache (the `cache`
+    collection, stacked per layer): the prompt in one call, then one token per call. Every step's
+    logits equal the full forward pass's at that position on the same tokens."""
+    params = _linen_params(mode)
+    prompt_BP = TOKENS[:, :3]
+    tokens_BS, logits_BSV = gpt_linen.generate(_cfg(mode), params, prompt_BP, steps=4)
+    assert tokens_BS.shape == (2, 4) and logits_BSV.shape == (2, 4, CFG.vocab_size)
+    full_BTV = gpt_linen.GPT(_cfg(mode)).apply({"params": params}, jnp.concatenate([prompt_BP, tokens_BS[:, :-1]], 1))
+    np.testing.assert_allclose(logits_BSV, full_BTV[:, 2:], atol=TOL * max(1.0, float(jnp.abs(full_BTV).max())), rtol=0)
+    np.testing.assert_array_equal(tokens_BS, jnp.argmax(full_BTV[:, 2:], -1))
+    assert float(jnp.std(full_BTV)) > 0.5  # logits vary
+    assert len(set(np.asarray(tokens_BS).ravel().tolist())) > 1  # not one token over and over

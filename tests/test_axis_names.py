@@ -53,3 +53,39 @@ def test_alias_rules_resolve_through_the_callers_rules():
 def test_bad_axis_names_are_one_clear_error(bad, words):
     with pytest.raises(ValueError, match=words):
         check_axis_names(bad)
+
+
+# ---------------------------------------------------------------- tensor-parallel and sequence-split streams
+
+TP_CASES = ("batch_x_width", "width", "batch_x_tokens")
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    """tests/tp_worker.py on 4 simulated CPU devices."""
+    env = dict(ENV)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_worker.py")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+TP_RUNS = [("delta", axes, case) for axes in ("Explicit", "Auto") for case in TP_CASES] + [
+    ("delta_block", "Explicit", "batch_x_width"), ("delta_block", "Auto", "width")]
+
+
+@pytest.mark.parametrize("mode,axes,case", TP_RUNS)
+def test_split_width_or_tokens_equals_the_unsharded_stack(tp_results, mode, axes, case):
+    """Values and every gradient as without a mesh; a split width routes on each device's slice
+    (shard_map) with the routers' parameters split as the caller's rules place `embed` (or, in
+    the `width` case, left where they are: replicated), and under Explicit axes the output keeps
+    the stream's sharding."""
+    r = tp_results[f"{mode}/{axes}/{case}"]
+    assert r["diff"] < 1e-5
+    width_split = case != "batch_x_tokens"
+    assert r["shard_map"] == width_split
+    assert r["router_spec"] == ("P(None, 'model')" if width_split else "P(None, None)")  # ('layers', 'embed')
+    if axes == "Explicit":
+        assert r["out_spec"] == {"batch_x_width": "P('data', None, 'model')", "width": "P(None, None, 'model')",
+                                 "batch_x_tokens": "P('data', 'seq', None)"}[case]

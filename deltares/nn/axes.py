@@ -64,6 +64,31 @@ def use_axis_names(axis_names: Mapping | None):
         yield
 
 
+def explicit_mesh():
+    """The abstract mesh in context when any of its axes is Explicit (JAX's default for
+    `jax.make_mesh`), else None: there an array's type carries its sharding."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def constrain(x, names):
+    """`nn.with_logical_constraint(x, names)`; under Explicit mesh axes `x` unchanged: its type
+    carries the sharding of the stream it was computed from (the source buffer follows the
+    stream the caller sharded, over batch, tokens or width), where a constraint from rules that
+    may not name those axes would only assert a different sharding."""
+    if explicit_mesh() is not None:
+        return x
+    return nn.with_logical_constraint(x, names)
+
+
+def type_spec(x, ndim: int) -> jax.sharding.PartitionSpec:
+    """The PartitionSpec of `x`'s type (Explicit axes), padded to `ndim` entries."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return jax.sharding.PartitionSpec(*(spec + (None,) * (ndim - len(spec))))
+
+
 def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
     """The `jax.shard_map` spec of an array with logical axis `names` and `shape` on `mesh`, from
     the logical axis rules in context (`nn.logical_axis_rules`; training and AOT set
@@ -79,4 +104,4 @@ def shard_spec(mesh, names, shape) -> jax.sharding.PartitionSpec:
     return jax.sharding.PartitionSpec(*spec)
 
 
-__all__ = ["ROLES", "SOURCES_AXES", "STREAM_AXES", "alias_rules", "check_axis_names", "shard_spec", "use_axis_names"]
+__all__ = ["ROLES", "SOURCES_AXES", "STREAM_AXES", "alias_rules", "check_axis_names", "constrain", "explicit_mesh", "shard_spec", "type_spec", "use_axis_names"]

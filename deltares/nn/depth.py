@@ -37,7 +37,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from deltares.nn import routing
-from deltares.nn.axes import SOURCES_AXES, STREAM_AXES
+from deltares.nn.axes import SOURCES_AXES, STREAM_AXES, constrain
 from deltares.nn.config import BLOCK_MODES
 from deltares.nn.residual import ResidualPlan, Segment, row
 
@@ -75,7 +75,7 @@ def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS, l
     # default mesh axes) where a fresh, replicated jnp.zeros would refuse the write of e
     inv_BT = routing.inv_rms(e_BTD, eps)
     sources = jnp.broadcast_to(jnp.zeros_like(e_BTD)[None], (plan.n_slots,) + e_BTD.shape).at[0].set(e_BTD)
-    sources = nn.with_logical_constraint(sources, SOURCES_AXES)
+    sources = constrain(sources, SOURCES_AXES)
     inv = jnp.broadcast_to(jnp.zeros_like(inv_BT)[None], (plan.n_slots,) + inv_BT.shape).at[0].set(inv_BT)
     return DepthState(e_BTD, sources, inv, h_block)
 
@@ -211,7 +211,7 @@ def _saveable(x_BTD, routed):
 def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = routing.NORM_EPS) -> DepthState:
     """h_{j+1} = h_j + v_j, and sublayer j's write slot: v_j (per-sublayer modes), or the block's
     sum so far h_{j+1} - h_block (block modes; h_block = h_j where j opens the block), with its 1/rms."""
-    h_BTD = nn.with_logical_constraint(state.h_BTD + v_BTD, STREAM_AXES)
+    h_BTD = constrain(state.h_BTD + v_BTD, STREAM_AXES)
     if not plan.uses_sources:
         return DepthState(h_BTD, None, None)
     listed = _check_listed(state, j)
@@ -228,10 +228,10 @@ def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = rout
         slot_inv_BT = routing.inv_rms(slot_BTD, eps)
     if listed:  # a new slot is appended, a block's running slot (the last) replaced
         keep = int(plan.write[j])
-        sources = state.sources_SBTD[:keep] + (nn.with_logical_constraint(slot_BTD, STREAM_AXES),)
+        sources = state.sources_SBTD[:keep] + (constrain(slot_BTD, STREAM_AXES),)
         return DepthState(h_BTD, sources, state.inv_rms_SBT[:keep] + (slot_inv_BT,), h_block)
     slot = row(plan.write, j, state.segment)
-    sources = nn.with_logical_constraint(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
+    sources = constrain(state.sources_SBTD.at[slot].set(slot_BTD), SOURCES_AXES)
     inv = state.inv_rms_SBT.at[slot].set(slot_inv_BT)
     return DepthState(h_BTD, sources, inv, h_block, state.segment)
 
@@ -600,7 +600,7 @@ def listed_group_prefix(queries_fn, params_layers, state: DepthState, plan: Resi
     into a buffer of just those slots."""
     valid_KS = plan.group_prefix_read(first_layer, n)
     n_read = valid_KS.shape[1]
-    sources_SBTD = nn.with_logical_constraint(jnp.stack(state.sources_SBTD[:n_read]), SOURCES_AXES)
+    sources_SBTD = constrain(jnp.stack(state.sources_SBTD[:n_read]), SOURCES_AXES)
     query_KD, gain_KD = (jnp.concatenate(q) for q in zip(*map(queries_fn, params_layers)))
     return _phase_one(sources_SBTD, jnp.stack(state.inv_rms_SBT[:n_read]), valid_KS, query_KD, gain_KD,
                       impl=impl, interpret=interpret, eps=eps)

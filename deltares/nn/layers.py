@@ -16,8 +16,10 @@ import jax.numpy as jnp
 
 from deltares.nn import routing
 from deltares.nn.attention import causal_attention
-from deltares.nn.axes import SOURCES_AXES, shard_spec
+from deltares.nn.axes import SOURCES_AXES, explicit_mesh, shard_spec, type_spec
 from kernels_pallas.depth_route.api import implementation_for
+
+P = jax.sharding.PartitionSpec
 
 Dtype = Any
 dense_init = nn.initializers.normal(stddev=0.02)
@@ -271,12 +273,30 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     return out_BTD.astype(sources_SBTD[0].dtype), weights_SBT
 
 
-def _d_split(shape):
-    """The mesh's shard_map spec of a buffer [S, B, T, D] of `shape` when the logical rules split its
-    model dimension, else None (route on whole arrays)."""
+def _d_split(sources_SBTD):
+    """(mesh, the shard_map spec of the buffer [S, B, T, D]) when its model dimension is split over
+    mesh axes, else None (route on whole arrays). Under Explicit mesh axes the spec is the sources'
+    own (their type's: the stream's sharding, whatever mesh axes the caller chose); otherwise
+    the logical axis rules' (`shard_spec`)."""
     mesh = jax.sharding.get_abstract_mesh()
-    sbtd = None if mesh.empty else shard_spec(mesh, SOURCES_AXES, shape)
-    return None if sbtd is None or sbtd[3] is None else (mesh, sbtd)
+    if mesh.empty:
+        return None
+    listed = isinstance(sources_SBTD, (tuple, list))
+    if explicit_mesh() is not None:
+        sbtd = P(None, *type_spec(sources_SBTD[0], 3)) if listed else type_spec(sources_SBTD, 4)
+    else:
+        shape = (len(sources_SBTD),) + sources_SBTD[0].shape if listed else sources_SBTD.shape
+        sbtd = shard_spec(mesh, SOURCES_AXES, shape)
+    return None if sbtd[3] is None else (mesh, sbtd)
+
+
+def _fit(tree, specs):
+    """Under Explicit mesh axes, each array of `tree` resharded to its shard_map in_spec (the
+    routers' parameters, 1/rms, the residual: whatever sharding the caller gave them)."""
+    if explicit_mesh() is None:
+        return tree
+    return jax.tree.map(lambda x, spec: x if x is None else jax.sharding.reshard(x, spec), tree, specs,
+                        is_leaf=lambda x: x is None or isinstance(x, P))
 
 
 def _token_split(shape):
@@ -299,13 +319,12 @@ def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=
     of a two-phase routing's first phase (`route_prefix`)."""
     listed = isinstance(sources_SBTD, (tuple, list))
     args = (sources_SBTD, inv_rms_SBT, jnp.asarray(valid_S, bool), query_D, gain_D, residual_BTD, null_D, prefix)
-    split = _d_split((len(sources_SBTD),) + sources_SBTD[0].shape if listed else sources_SBTD.shape)
+    split = _d_split(sources_SBTD)
     if split is None:
         return routing.route_normalized(*args[:-1], eps=eps, prefix=prefix)
     mesh, sbtd = split
-    P = jax.sharding.PartitionSpec
-    batch, model_axes = sbtd[1], sbtd[3]
-    sbt, btd, d, bt = P(None, batch, None), P(batch, None, model_axes), P(model_axes), P(batch, None)
+    batch, length, model_axes = sbtd[1], sbtd[2], sbtd[3]
+    sbt, btd, d, bt = P(None, batch, length), P(batch, length, model_axes), P(model_axes), P(batch, length)
     prefix_spec = P() if prefix is None else (btd, bt)
     if listed:
         specs = (tuple(btd for _ in sources_SBTD), tuple(bt for _ in sources_SBTD), P(), d, d, btd, d, prefix_spec)
@@ -315,7 +334,7 @@ def xla_route(sources_SBTD, inv_rms_SBT, valid_S, query_D, gain_D, residual_BTD=
     def route(*args):
         return routing.route_normalized(*args[:-1], model_axis=model_axes, eps=eps, prefix=args[-1])
 
-    return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*args)
+    return jax.shard_map(route, mesh=mesh, in_specs=specs, out_specs=(btd, sbt))(*_fit(args, specs))
 
 
 def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl: str = "xla",
@@ -341,16 +360,17 @@ def route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl
         kbtd, kbt = P(None, *sbtd[1:]), P(None, *sbtd[1:3])
         return jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P()), out_specs=(kbtd, kbt),
                              check_vma=not interpret)(sources_SBTD, valid_KS, query_KD, gain_KD)
-    split = _d_split(sources_SBTD.shape)
+    split = _d_split(sources_SBTD)
     args = (sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD)
     if split is None:
         return routing.route_prefix(*args)
     mesh, sbtd = split
-    batch, model_axes = sbtd[1], sbtd[3]
-    kd, kbt = P(None, model_axes), P(None, batch, None)
+    batch, length, model_axes = sbtd[1], sbtd[2], sbtd[3]
+    kd, kbt = P(None, model_axes), P(None, batch, length)
     specs = (sbtd, kbt, P(), kd, kd)
     fn = functools.partial(routing.route_prefix, model_axis=model_axes)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(None, batch, None, model_axes), kbt))(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(None, batch, length, model_axes), kbt))(
+        *_fit(args, specs))
 
 
 def route_prefix_grad_into(d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gain_KD, out_KBTD, lse_KBT, d_out_KBTD,

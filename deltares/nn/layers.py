@@ -26,7 +26,15 @@ dense_init = nn.initializers.normal(stddev=0.02)
 
 
 def _param_init(init, names):
-    return nn.with_logical_partitioning(init, names)
+    """`init` boxed with logical axis `names`; under Explicit mesh axes the value is made with the
+    sharding the rules in context give those names (flax's unboxing then asserts that sharding)."""
+    def placed(key, shape, dtype=jnp.float32):
+        value = init(key, shape, dtype)
+        if explicit_mesh() is not None:
+            value = jax.sharding.reshard(value, nn.logical_to_mesh_axes(names))
+        return value
+
+    return nn.with_logical_partitioning(placed, names)
 
 
 class RMSNorm(nn.Module):

@@ -246,3 +246,53 @@ def test_nnx_stack_threads_rngs_sown_values_collections_and_keywords(kw):
     step(stack)  # the next step draws new masks
     again = nnx.to_pure_dict(nnx.pop(stack, nnx.Intermediate))["layers"]["mlp"]["keep"][0]
     assert bool(jnp.any(again != keep_LBTD)), "the same masks in the next step"
+
+
+class Plain(nn.Module):
+    kind: str
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        y = _norm(x_BTD) @ self.param("w", nn.initializers.normal(0.5), (D, D))
+        return jnp.tanh(y) if self.kind == "tanh" else jnp.sin(y)
+
+
+def test_stack_takes_flax_fields_and_the_transformers_routing_options():
+    """Two-phase groups (`group_layers`) compute what one pass per sublayer computes,
+    values and gradients, linen and NNX; `param_dtype`, `query_init`, `dtype` and `policy` reach
+    the routers and the remat; bad options are one clear ValueError."""
+    sub = (functools.partial(Plain, "tanh"), functools.partial(Plain, "sin"))
+    params = _random_routers(nn.meta.unbox(DepthStack(sub, L, "delta").init(jax.random.key(0), E_BTD)["params"]))
+
+    def run(**kw):
+        stack = DepthStack(sub, L, "delta", **kw)
+        return jax.jit(jax.value_and_grad(lambda p: _loss(stack.apply({"params": p}, E_BTD))))(params)
+
+    want = run(store_once=False)
+    for kw in (dict(group_layers=2), dict(policy=jax.checkpoint_policies.nothing_saveable)):
+        got = run(**kw)
+        np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=0, err_msg=str(kw))
+        _close(got[1], want[1])
+    stack = DepthStack(sub, L, "delta", param_dtype=jnp.bfloat16, query_init=nn.initializers.constant(0.5),
+                       dtype=jnp.bfloat16)
+    variables = nn.meta.unbox(stack.init(jax.random.key(0), E_BTD))
+    query = variables["params"]["layers"]["mlp_router"]["query"]
+    assert query.dtype == jnp.bfloat16 and query.shape == (L, D) and float(query[0, 0]) == 0.5
+    nnx_stack = NNXDepthStack(lambda rngs: (NNXAttn(rngs), NNXAttn(rngs)), L, D, "delta", group_layers=2,
+                              param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert nnx_stack.layers.attn_router.query[...].dtype == jnp.bfloat16
+    for bad, words in ((dict(group_layers=-1), "group_layers"), (dict(impl="cuda"), "impl must be one of")):
+        with pytest.raises(ValueError, match=words):
+            DepthStack(sub, L, "delta", **bad).init(jax.random.key(0), E_BTD)
+        with pytest.raises(ValueError, match=words):
+            NNXDepthStack(lambda rngs: (NNXAttn(rngs), NNXAttn(rngs)), L, D, "delta", rngs=nnx.Rngs(0), **bad)
+
+
+def test_nnx_stack_sows_routing_statistics_when_asked():
+    stack = NNXDepthStack(lambda rngs: (NNXMLP(rngs), NNXMLP(rngs)), L, D, "delta", names=("a", "b"), stats=True,
+                          rngs=nnx.Rngs(0, dropout=1))
+    stack(E_BTD)
+    stats = nnx.to_pure_dict(nnx.pop(stack, nnx.Intermediate))["routing_stats"][0]
+    assert stats["weights"].shape == (2 * L, 2 * L + 1)
+    np.testing.assert_array_equal(stats["n_sources"], DepthRouting("delta", L).plan.n_sources)
+    np.testing.assert_allclose(stats["weights"][1, :2], 0.5, atol=1e-6)  # zero queries: uniform over 2 sources

@@ -11,8 +11,11 @@ backward pass keeps one source buffer instead of one per layer:
     out_BTD = stack(e_BTD)          # then your final norm and head
 
 Each entry of `sublayers` is called as `factory(name=...)` and must return a linen Module whose
-`__call__(x_BTD, *args)` returns the delta; `*args` are what you pass after `e_BTD` (positions,
-masks), the same for every layer. The NNX version is deltares.nn.nnx.DepthStack.
+`__call__(x_BTD, *args, **kwargs)` returns the delta; `*args` are what you pass after `e_BTD`
+(positions), the same for every layer and both sublayers; a keyword argument of the stack's call
+reaches only the sublayers whose `__call__` takes it (an attention mask, `deterministic`). Rng
+streams, sown values and other collections (a decoding cache, batch statistics) pass through
+the layers: see `DepthStack`. The NNX version is deltares.nn.nnx.DepthStack.
 """
 
 from __future__ import annotations

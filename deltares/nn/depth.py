@@ -40,6 +40,7 @@ from deltares.nn import routing
 from deltares.nn.axes import SOURCES_AXES, STREAM_AXES, constrain
 from deltares.nn.config import BLOCK_MODES
 from deltares.nn.residual import ResidualPlan, Segment, row
+from kernels_pallas.depth_route.api import implementation_for
 
 
 
@@ -275,6 +276,7 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
         return outer_layer_fn if consts is None else functools.partial(outer_layer_fn, consts=consts)
     rules = tuple(nn.get_logical_axis_rules())  # the backward pass is traced later, maybe outside this context
     if queries_fn is not None:
+        impl = implementation_for(impl, phase_one=True)  # "auto": XLA for phase one
         group_prefix = functools.partial(_group_prefix, queries_fn, impl=impl, interpret=interpret, eps=eps)
         if impl != "xla":  # the kernel adds phase one's source cotangent into the buffer's, in place
             prefix_grad = functools.partial(_group_prefix_grad_into, queries_fn, impl=impl, interpret=interpret,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from deltares.nn.axes import STREAM_AXES
 from deltares.nn.config import REMAT_POLICIES, dtype_of, validate_model_config
-from deltares.nn.decoder import DecoderLayer
+from deltares.nn.decoder import DecoderLayer, router_impl
 from deltares.nn.depth import init_depth_state, stack_output
 from deltares.nn.layers import (
     DepthRouter, Projection, Rope, RMSNorm, _param_init, dense_init, document_rope, rope_tables,
@@ -106,7 +106,8 @@ class Transformer(nn.Module):
         final_router = None
         if plan.replaces_stream:
             res = cfg.residual
-            final_router = DepthRouter(impl=res.impl, interpret=res.interpret, epsilon=cfg.norm_eps, name="final_router")
+            final_router = DepthRouter(impl=router_impl(cfg), interpret=res.interpret, epsilon=cfg.norm_eps,
+                                       name="final_router")
         out_BTD = stack_output(plan, state, final_router)
         if logits_at is not None:
             out_BTD = jnp.take_along_axis(out_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)

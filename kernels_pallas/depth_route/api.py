@@ -152,7 +152,8 @@ def depth_route(sources, valid, query, gain, residual=None, *, implementation="p
                 eps=NORM_EPS):
     """Route over `sources` [S, B, T, D] (see the module docstring); returns [B, T, D].
 
-    implementation: "xla", "pallas" (the kernel of the target platform), "pallas_tpu" or "pallas_gpu".
+    implementation: "xla", "pallas" (the kernel of the target platform), "pallas_tpu", "pallas_gpu" or
+      "auto" (`implementation_for`: the kernel on a GPU, xla elsewhere).
     interpret: run the Pallas kernel in interpret mode (on CPU, for tests): True, or for
       pallas_tpu a `pltpu.InterpretParams()` for the TPU interpret mode.
     eps: the key norm's, 1 / sqrt(mean(s^2) + eps) (config.model.norm_eps in the model).

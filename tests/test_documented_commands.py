@@ -319,6 +319,10 @@ RULES = (
          extra=SHRINK + ("--config.train.global_batch=8", "--config.data.seq_len=64"),
          reason="the architecture shrunk (SHRINK): a full-size TPU compile takes minutes"),
     Rule("AOT proof", r"^python -m deltares\.aot --config experiments/(tiny|debug)\.py", "run"),
+    Rule("AOT proof, a deep stack on a GPU", r"^for m in baseline delta; do python -m deltares\.aot --config "
+         r"experiments/tiny_deep\.py:\$m --gpu ", "run",
+         extra=("--config.model.n_layers=3", "--config.data.seq_len=64"),
+         reason="3 layers (one block) of 64 tokens: 24 layers of 2048 compile for a minute"),
     Rule("kernel benchmark", r"^python -m kernels_pallas\.depth_route\.bench\b", "run",
          extra=("--cpu_tokens", "64", "--iters", "1"), reason="64 tokens, 1 timed call"),
     Rule("own-model example", r"^python -m examples\.\w+$", "run", reason="a few steps already (no flags)"),

@@ -8,7 +8,8 @@ estimate (`deltares.aot --estimate`, 2026-12-05, jax 0.12.0.1); nothing fits wit
 each router reads only its own sources: baseline 424.2 ms per step (27.62 GiB per chip; MaxText,
 same cost model: 464.2), `delta_block` 472.7 (1.114x; 30.05 GiB), `delta` 542.8 (1.280x), against
 431.8, 549.6 and 633.9 under one layer scan (`--config.model.scan_layers=True`). `delta` and
-`full_attnres` route two-phase in groups of 4 layers (`residual.group_layers=4`). On other hardware
+`full_attnres` route two-phase in groups of 4 layers (`residual.group_layers=4`). Unrolled layers
+compile for minutes (s1044m's step: 2 to 4 on a 2-core CPU machine). On other hardware
 `deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/qwen3_0p6b.py:delta_block --workdir runs/qwen3_0p6b_delta_block \

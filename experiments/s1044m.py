@@ -10,7 +10,9 @@ each router reads only its own sources and each source's cotangent is summed on 
 route two-phase in groups of 6 layers (`residual.group_layers=6`): `delta` 797.3 ms (1.261x) at
 66.43 GiB, `full_attnres` 802.2. Under one layer scan (`--config.model.scan_layers=True`, and for
 `delta` and `full_attnres` `--config.model.residual.group_layers=4`): baseline 628.5, `delta_block`
-820.3, `delta` 897.3 at 26.75 GiB, `full_attnres` 914.5. On other hardware `deltares.aot --search` names the flags to add.
+820.3, `delta` 897.3 at 26.75 GiB, `full_attnres` 914.5. Unrolled layers compile longer: the step
+compiled for v5p in 127 to 250 s and for one GPU in 92 to 180 s on the 2-core CPU machine (scanned:
+10 to 50 s for the GPU). On other hardware `deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/s1044m.py:delta_block --workdir runs/s1044m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)

@@ -8,8 +8,9 @@ that fits the paper's 32 x 2048 on 4 v5p chips (v5p:2x2x1) by the TPU compiler's
 128.4 (1.069x) and `delta` 135.4 (1.127x), each at about 33 GiB per chip of the chip's 95.74.
 Unrolled, each router reads only its own sources and each source's cotangent is summed on its own;
 under one layer scan (`--config.model.scan_layers=True`) every router reads the whole source buffer:
-122.9, 147.7 and 181.7 ms at 58.73, 67.92 and 88.24 GiB. On other hardware `deltares.aot --search`
-names the flags to add.
+122.9, 147.7 and 181.7 ms at 58.73, 67.92 and 88.24 GiB. Unrolled layers compile longer: the step
+compiled for v5p in 77 to 192 s and for one GPU in 12 to 134 s on the 2-core CPU machine (scanned: 10
+to 25 s for the GPU). On other hardware `deltares.aot --search` names the flags to add.
 
 Run: python -m deltares.train --config experiments/s220m.py:delta_block --workdir runs/s220m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)

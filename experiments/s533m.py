@@ -8,8 +8,9 @@ estimate (`deltares.aot --estimate`, 2026-12-05, jax 0.12.0.1); nothing fits wit
 each router reads only its own sources: baseline 339.5 ms per step (25.82 GiB per chip),
 `delta_block` 374.7 (1.104x; 27.78 GiB), `delta` 433.5 (1.277x), against 345.9, 440.5 and 566.3
 under one layer scan (`--config.model.scan_layers=True`). `delta` and `full_attnres` route two-phase
-in groups of 4 layers (`residual.group_layers=4`). On other hardware `deltares.aot --search` names
-the flags to add.
+in groups of 4 layers (`residual.group_layers=4`). Unrolled layers compile for minutes (s1044m's
+step: 2 to 4 on a 2-core CPU machine). On other hardware `deltares.aot --search` names the flags to
+add.
 
 Run: python -m deltares.train --config experiments/s533m.py:delta_block --workdir runs/s533m_delta_block \
          --config.data.dataset=DATA   (a prepared FineWeb-Edu with the Qwen3 tokenizer, see docs/guides/data.md)

@@ -131,13 +131,6 @@ def test_search_candidates_follow_the_sequence_length():
     assert aot.search_candidates(cfg) == [("none", 0), ("full", 0)]
 
 
-def test_estimate_is_for_tpu_topologies_only():
-    proc = run_aot("--config", "experiments/debug.py", "--gpu", "h100", "--estimate")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
-        "error: --estimate is the TPU compiler's cost model: pass --topology, not --gpu"]
-
-
 @needs_libtpu
 def test_human_report_and_mesh_flag_on_megacore_v4():
     proc = run_aot("--config", "experiments/debug.py:baseline", "--topology", "v4:2x2x1", "--mesh", "2,1,-1")

@@ -397,7 +397,7 @@ def test_old_saved_config_missing_new_fields_loads(tmp_path):
     with pytest.raises(ValueError, match=r"config\.init_from_hf is missing"):
         validate_config(ml_collections.ConfigDict(saved))
     filled = with_schema_defaults(saved)
-    assert filled["model"]["residual"]["impl"] == "xla" and filled["train"]["wandb"]["project"] == ""
+    assert filled["model"]["residual"]["impl"] == "auto" and filled["train"]["wandb"]["project"] == ""
     assert filled["model"]["residual"]["block_layers"] == saved["model"]["residual"]["block_layers"]
     cfg = ml_collections.ConfigDict(filled)
     validate_config(cfg)

@@ -25,6 +25,8 @@ from deltares.nn.layers import DepthRouter
 from deltares.nn.nnx import DepthStack as NNXDepthStack
 from deltares.nn.routed import DepthRouting
 from deltares.nn.stack import DepthStack
+from tests.test_stack import _close, _random_routers
+from tests.test_stack import _unrolled_params as _unrolled
 
 L, D, B, T = 3, 8, 2, 5
 E_BTD = jax.random.normal(jax.random.key(9), (B, T, D))
@@ -70,17 +72,6 @@ class MLP(nn.Module):
         return mlp_math(w, x_BTD, keep_BTD)
 
 
-def _random_routers(params, seed=1):
-    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = []
-    for key, (path, x) in zip(keys, leaves):
-        name = jax.tree_util.keystr(path)
-        out.append(jax.random.normal(key, x.shape) if "query" in name else
-                   1 + 0.3 * jax.random.normal(key, x.shape) if "gain" in name else x)
-    return jax.tree.unflatten(tree, out)
-
-
 def _block(mode):
     return 2 if mode in BLOCK_MODES else 1
 
@@ -116,17 +107,6 @@ def _layered(tree, scanned):
     if scanned:
         return tree["layers"]
     return jax.tree.map(lambda *a: jnp.stack(a), *[tree[f"layers_{layer}"] for layer in range(L)])
-
-
-def _unrolled(tree):
-    out = {k: v for k, v in tree.items() if k != "layers"}
-    out.update({f"layers_{layer}": jax.tree.map(lambda a, layer=layer: a[layer], tree["layers"]) for layer in range(L)})
-    return out
-
-
-def _close(got, want, tol=2e-5):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, w, atol=tol * max(1.0, float(jnp.abs(w).max())), rtol=0)
 
 
 @pytest.mark.parametrize("mode", ("delta_block",))  # NNX's test below runs delta

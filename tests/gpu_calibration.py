@@ -172,14 +172,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from deltares.training.gpu_step_time import bandwidth_of
 
-    os.makedirs(args.cache, exist_ok=True)
+    try:
+        os.makedirs(args.cache, exist_ok=True)
+    except OSError as err:
+        print(f"error: --cache {args.cache}: {err.strerror}", file=sys.stderr)
+        return 2
     rows = [r for r in ROWS if args.rows in r.name]
     for i, row in enumerate(rows):
         path = os.path.join(args.cache, row.name.replace(" ", "_").replace("=", "-") + ".json")
-        if os.path.exists(path):
+        try:
             with open(path) as f:
                 row.result = json.load(f)
             continue
+        except FileNotFoundError:
+            pass
+        except ValueError:  # a damaged cache file: compiled again
+            print(f"warning: {path} is not a row's kernels; compiling the row again", file=sys.stderr)
         print(f"[{i + 1}/{len(rows)}] compiling {row.name} for the {GPU} ...", file=sys.stderr, flush=True)
         row.result = compile_row(row)
         with open(path + ".tmp", "w") as f:

@@ -225,4 +225,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("error: interrupted; the rows compiled so far are kept in the cache", file=sys.stderr)
+        sys.exit(130)

@@ -482,6 +482,8 @@ class _TrainLoop:
         """Stops the run for `problem`, or for what happened to the run directory where that is the cause."""
         problem = (self.lock.problem() if self.lock is not None else None) or problem
         _wait_and_check(self.ckpt)  # a save in flight ends (or fails, quietly) before the run does
+        if self.lock is not None:
+            self.lock.clear_old_path()  # a save that raced a move of the run directory wrote to its old path
         try:
             self.writer.truncate_after(self.ckpt.durable)  # no record of a step that no checkpoint holds
         except OSError:

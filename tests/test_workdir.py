@@ -170,6 +170,32 @@ def test_a_moved_or_deleted_run_directory_is_named_as_such(tmp_path):
     lock.release()
 
 
+def test_a_save_that_raced_a_move_is_removed_from_the_old_path_and_nothing_else_is(tmp_path):
+    """A save begun between the last check and the move writes `checkpoints/...` at the old path; once
+    the move is found, that folder is removed. A folder there with anything else, or with what is older
+    than the last check, is not the run's and stays."""
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    run.mkdir()
+    lock = WorkdirLock(str(run), log=messages()[1])
+    lock.acquire()
+    assert lock.problem() is None and not lock.clear_old_path()  # in place: nothing to clear
+    os.rename(run, moved)
+    assert not lock.clear_old_path()  # nothing at the old path
+    (run / "checkpoints" / "8.orbax-checkpoint-tmp-1" / "state").mkdir(parents=True)
+    (run / "checkpoints" / "8.orbax-checkpoint-tmp-1" / "state" / "manifest").write_text("x")
+    assert lock.clear_old_path() and not run.exists() and (moved / LOCK).exists()
+
+    (run / "checkpoints" / "8").mkdir(parents=True)
+    (run / "notes.txt").write_text("the user's")
+    assert not lock.clear_old_path() and (run / "notes.txt").exists()
+    (run / "notes.txt").unlink()
+    old = time.time() - 3600
+    os.utime(run / "checkpoints" / "8", (old, old))  # ctime stays new: a moved-in folder is judged by ctime
+    lock._in_place_at = time.time() + 5  # as if the folder were older than the last check
+    assert not lock.clear_old_path() and (run / "checkpoints" / "8").exists()
+    lock.release()
+
+
 @pytest.mark.parametrize("files, what", [
     (["meta.json", "train.bin"], "a dataset"),
     (["config.json", "model.safetensors", "tokenizer.json"], "a Hugging Face model"),

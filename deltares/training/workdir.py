@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -128,6 +129,7 @@ class WorkdirLock:
         self._stop = threading.Event()
         self._thread = None
         self._dir_fd = None  # the run directory held open (local only): where it went if it is moved or deleted
+        self._in_place_at = time.time()  # when the run directory was last found where the run began
 
     def _new_record(self) -> dict:
         now = time.time()
@@ -280,6 +282,7 @@ class WorkdirLock:
         except OSError:
             same = False
         if same:
+            self._in_place_at = time.time()
             return None
         try:
             now = os.readlink(f"/proc/self/fd/{self._dir_fd}")
@@ -289,6 +292,25 @@ class WorkdirLock:
             return f"the run directory {self.workdir} was deleted during the run; stopped (nothing more can be saved)"
         return (f"the run directory {self.workdir} was moved to {now} during the run; stopped without saving there: "
                 f"rerun with --workdir {now} to resume it")
+
+    def clear_old_path(self) -> bool:
+        """After the run directory was moved: removes the folder that a save begun as it moved made again
+        at the old path, so that nothing of the run stays there. Only a folder that holds nothing but
+        `checkpoints/`, all made since the directory was last found in place, is ours; anything else stays."""
+        if self._dir_fd is None or self._directory_gone() is None or not os.path.isdir(self.workdir):
+            return False
+        try:
+            if os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd)) or os.listdir(self.workdir) != [
+                    "checkpoints"]:
+                return False
+            since = self._in_place_at - 1.0  # file times come from a coarser clock than time.time()
+            for folder, dirs, files in os.walk(self.workdir):
+                if any(os.lstat(os.path.join(folder, name)).st_ctime < since for name in [".", *dirs, *files]):
+                    return False
+            shutil.rmtree(self.workdir)
+        except OSError:
+            return False
+        return True
 
     def release(self) -> None:
         if self.record is None:

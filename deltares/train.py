@@ -35,7 +35,8 @@ from tqdm import tqdm
 from deltares import command_line
 from deltares.data import paths
 from deltares.data.documents import BUILTIN, DataError
-from deltares.data.run_data import RunData, open_run_data, unigram_perplexity
+from deltares.data.run_data import RunData, open_run_data
+from deltares.data.source import unigram_perplexity
 from deltares.interop import hf
 from deltares.nn.attention import check_attention
 from deltares.nn.stack import with_layer_layout
@@ -467,7 +468,7 @@ class _TrainLoop:
         self.stop = StopRequest()
         self.bar = tqdm(total=t.steps, initial=self.start, unit="step", desc="train", dynamic_ncols=True,
                         file=sys.stderr, disable=jax.process_index() != 0)
-        if (epochs := run.epoch(t.steps * t.global_batch)) > 1:
+        if (epochs := run.data.epochs(t.steps * t.global_batch, cfg.data.seq_len)) > 1:
             say(f"warning: {t.steps} steps of {t.global_batch} windows are {epochs:.2f} epochs of {run.data.path}: "
                 "the run repeats its data")
 
@@ -630,7 +631,7 @@ class _Records:
             "step_time_s": step_time,
             "mfu": mfu(self.flops_per_step, step_time, self.peak),
             "tokens_seen": step * self.tokens_per_step,
-            "epoch": self.run.epoch(step * t.global_batch),
+            "epoch": self.run.data.epochs(step * t.global_batch, self.cfg.data.seq_len),
         }
         with self.aside:
             if step % t.eval_every == 0 or step == t.steps:

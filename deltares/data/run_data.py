@@ -76,7 +76,7 @@ def check_token_ids(batches, vocab_size: int, where: str) -> None:
 
 
 class RunData(NamedTuple):
-    data: DataSource
+    source: DataSource  # see open_run_dataset
     train: Any  # grain iterator of this process's rows of each global batch (get_state / set_state)
     val: list  # the fixed validation batches (np.int32 [batch, seq_len + 1])
     bytes_per_token: float  # the validation batches' mean UTF-8 bytes per token (for bits per byte)

@@ -69,7 +69,8 @@ class Mixture:
         parts = []
         for i, w in enumerate(windows):
             if len(w) == 0:
-                raise DataError(f"{self.sources[i][0].path}: the training split holds no window of {seq_len + 1} tokens")
+                raise DataError(f"{self.sources[i][0].path}: the training split holds no window of "
+                                f"{seq_len + 1} tokens")
             parts.append(grain.MapDataset.range(len(w)).seed(seed + i).shuffle().repeat().map(lambda j, i=i: (i, j)))
         ds = grain.MapDataset.mix(parts, [w for _, w in self.sources])[process_index::process_count]
 

@@ -35,7 +35,8 @@ from tqdm import tqdm
 from deltares import command_line
 from deltares.data import paths
 from deltares.data.documents import BUILTIN, DataError
-from deltares.data.run_data import RunData, open_run_data, unigram_perplexity
+from deltares.data.run_data import RunData, open_run_data
+from deltares.data.source import DataSource, unigram_perplexity
 from deltares.interop import hf
 from deltares.nn.attention import check_attention
 from deltares.nn.stack import with_layer_layout
@@ -157,15 +158,15 @@ def dry_run(cfg) -> dict:
     }
 
 
-def _check_resumable(saved: dict, saved_data: dict | None, cfg, data, workdir: str) -> None:
+def _check_resumable(saved: dict, saved_data: dict | None, cfg, source: DataSource, workdir: str) -> None:
     """Refuses to resume a checkpoint of another config or other data (unless config.force): the
     fields in RESUME_KEYS, and the dataset the checkpoint recorded (its tokenizer and token counts)."""
     current = config_json(cfg)
     diffs = [key for key in RESUME_KEYS if _get(saved, key) != _get(current, key)]
     if saved_data:  # checkpoints written before the dataset record have none
-        now = data.record()
+        now = source.record()
         if saved_data.get("tokenizer_sha256") != now["tokenizer_sha256"]:
-            diffs.append(f"the tokenizer of the dataset ({saved_data.get('tokenizer')}, another than {data.path}'s)")
+            diffs.append(f"the tokenizer of the dataset ({saved_data.get('tokenizer')}, another than {source.path}'s)")
         elif saved_data.get("tokens") != now["tokens"]:
             diffs.append(f"the data under data.dataset (token counts {saved_data.get('tokens')}, now {now['tokens']})")
     if diffs and not cfg.force:
@@ -273,7 +274,7 @@ def train(cfg, workdir: str) -> dict:
             _note("opening the data")
             run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say)
             _note("building the train step")
-            training = sharded_train_step(cfg, mesh, run.data.eos_id)
+            training = sharded_train_step(cfg, mesh, run.source.eos_id)
             t = cfg.train
             ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
             try:
@@ -343,7 +344,7 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
         raise TrainError(str(err)) from None
     if start is not None:
         _note(f"restoring step {start}")
-        _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.data, workdir)
+        _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.source, workdir)
         abstract_state = training.abstract_state
         try:
             ckpt.check_params(start, abstract_state["params"])
@@ -451,7 +452,7 @@ class _TrainLoop:
         self.cfg, self.workdir, self.run_data, self.training, self.ckpt, self.lock = cfg, workdir, run, training, ckpt, lock
         self.state, self.start = _start_state(cfg, workdir, run, training, ckpt)
         self.all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
-        self.config_record, self.dataset_record = config_json(cfg), run.data.record()
+        self.config_record, self.dataset_record = config_json(cfg), run.source.record()
         try:
             tracker = open_tracker(t.wandb, workdir, self.config_record)  # None unless config.train.wandb.project
         except TrackerError as err:
@@ -461,14 +462,14 @@ class _TrainLoop:
         self.aside = _Aside()  # evaluations, routing statistics, peak memory and saves: not in the step time
         self.logged = False
         self.records = _Records(cfg, run, training, self.aside)
-        self.outputs = _Outputs(cfg.model.vocab_size, run.data.path)
+        self.outputs = _Outputs(cfg.model.vocab_size, run.source.path)
         self.single = jax.process_count() == 1
         self.last_eval: dict = {}
         self.stop = StopRequest()
         self.bar = tqdm(total=t.steps, initial=self.start, unit="step", desc="train", dynamic_ncols=True,
                         file=sys.stderr, disable=jax.process_index() != 0)
-        if (epochs := run.epoch(t.steps * t.global_batch)) > 1:
-            say(f"warning: {t.steps} steps of {t.global_batch} windows are {epochs:.2f} epochs of {run.data.path}: "
+        if (epochs := run.source.epochs(t.steps * t.global_batch, cfg.data.seq_len)) > 1:
+            say(f"warning: {t.steps} steps of {t.global_batch} windows are {epochs:.2f} epochs of {run.source.path}: "
                 "the run repeats its data")
 
     def close(self) -> None:
@@ -577,7 +578,7 @@ class _TrainLoop:
             self.last_eval = evaluate(self.training.eval_step, self.state["params"], run.val, run.bytes_per_token)
         if jax.process_index() != 0:  # the corpus's unigram perplexity is printed by process 0
             return {"step": step, **self.last_eval}
-        return {"step": step, **self.last_eval, "unigram_ppl": unigram_perplexity(self.run_data.data)}
+        return {"step": step, **self.last_eval, "unigram_ppl": unigram_perplexity(self.run_data.source)}
 
 
 class _Aside:
@@ -630,7 +631,7 @@ class _Records:
             "step_time_s": step_time,
             "mfu": mfu(self.flops_per_step, step_time, self.peak),
             "tokens_seen": step * self.tokens_per_step,
-            "epoch": self.run.epoch(step * t.global_batch),
+            "epoch": self.run.source.epochs(step * t.global_batch, self.cfg.data.seq_len),
         }
         with self.aside:
             if step % t.eval_every == 0 or step == t.steps:

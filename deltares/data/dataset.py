@@ -29,7 +29,8 @@ from deltares.data.tokenizer import encode_documents, tokenizer_from_json, token
 
 
 class TokenData:
-    """A prepared dataset directory (local or on a bucket): metadata, tokenizer and splits."""
+    """A prepared dataset directory (local or on a bucket): metadata, tokenizer and splits; a
+    `DataSource` (deltares.data.source) of its training and validation splits."""
 
     def __init__(self, path: str):
         path = paths.run_dir(path)
@@ -105,6 +106,22 @@ class TokenData:
     def bytes_per_token(self, split: str) -> float:
         info = self.meta["splits"][split]
         return info["bytes"] / info["tokens"]
+
+    def windows(self, seq_len: int) -> Windows:
+        """The training split's windows."""
+        return Windows(self.tokens("train"), seq_len)
+
+    def train_batches(self, seq_len: int, global_batch: int, seed: int, process_index: int = 0,
+                      process_count: int = 1) -> grain.MapDataset:
+        """The training split's shuffled batches of this process (`train_dataset`)."""
+        return train_dataset(self.tokens("train"), seq_len, global_batch, seed, process_index, process_count)
+
+    def validation(self, seq_len: int, batch: int, max_batches: int | None) -> tuple[list[np.ndarray], float]:
+        """The validation split's fixed batches (`eval_batches`) and its bytes per token."""
+        return eval_batches(self.tokens("val"), seq_len, batch, max_batches), self.bytes_per_token("val")
+
+    def epochs(self, windows: int, seq_len: int) -> float:
+        return windows / len(self.windows(seq_len))
 
     def tokenizer(self):
         return tokenizer_from_json(self.meta["tokenizer"], self._tokenizer_json())

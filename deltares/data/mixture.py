@@ -14,7 +14,7 @@ import grain
 import numpy as np
 
 from deltares.command_line import POSITIVE
-from deltares.data.dataset import TokenData, Windows, eval_batches
+from deltares.data.dataset import TokenData
 from deltares.data.documents import DataError
 
 
@@ -38,8 +38,8 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
 
 
 class Mixture:
-    """The sources of a mixture, checked to be compatible; reads like one TokenData where the
-    trainer needs it (vocabulary, end-of-text, record, unigram counts)."""
+    """The sources of a mixture, checked to be compatible; a `DataSource` (deltares.data.source) like
+    each of them, training windows mixed by weight."""
 
     def __init__(self, spec: str, open_source=TokenData):
         self.spec = self.path = spec
@@ -54,18 +54,53 @@ class Mixture:
                                     f"({_short(a)} vs {_short(b)}); mix datasets prepared with one tokenizer")
         self.vocab_size = max(d.vocab_size for d, _ in self.sources)
         self.eos_id = first.eos_id
-        self.meta = first.meta
-
-    @property
-    def weights(self) -> list[float]:
-        return [w for _, w in self.sources]
 
     def check_ids(self, vocab_size: int) -> None:
         for data, _ in self.sources:
             data.check_ids(vocab_size)
 
-    def tokenizer(self):
-        return self.sources[0][0].tokenizer()
+    def train_batches(self, seq_len: int, global_batch: int, seed: int, process_index: int = 0,
+                      process_count: int = 1) -> grain.MapDataset:
+        """An infinite `MapDataset` of this process's [global_batch / process_count, seq_len + 1]
+        batches, each window drawn from one source with the mixture's weights."""
+        if global_batch % process_count:
+            raise DataError(f"global batch {global_batch} is not divisible by {process_count} processes")
+        windows = [data.windows(seq_len) for data, _ in self.sources]
+        parts = []
+        for i, w in enumerate(windows):
+            if len(w) == 0:
+                raise DataError(f"{self.sources[i][0].path}: the training split holds no window of "
+                                f"{seq_len + 1} tokens")
+            parts.append(grain.MapDataset.range(len(w)).seed(seed + i).shuffle().repeat().map(lambda j, i=i: (i, j)))
+        ds = grain.MapDataset.mix(parts, [w for _, w in self.sources])[process_index::process_count]
+
+        def read(batch):
+            source_B, index_B = (np.asarray(x) for x in batch)
+            out = np.zeros((len(index_B), seq_len + 1), np.int32)
+            for i, w in enumerate(windows):
+                rows = np.flatnonzero(source_B == i)
+                if len(rows):
+                    out[rows] = w.batch(index_B[rows])
+            return out
+
+        return ds.batch(global_batch // process_count, drop_remainder=True).map(read)
+
+    def validation(self, seq_len: int, batch: int, max_batches: int | None) -> tuple[list[np.ndarray], float]:
+        """Validation batches from every source in proportion to the weights (at least one each), and
+        their mean UTF-8 bytes per token (for bits per byte)."""
+        batches, n_bytes, n_tokens = [], 0.0, 0
+        for data, weight in self.sources:
+            want = max(1, round(weight * max_batches)) if max_batches else None
+            mine, bytes_per_token = data.validation(seq_len, batch, want)
+            batches += mine
+            tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in mine)
+            n_tokens += tokens
+            n_bytes += tokens * bytes_per_token
+        return batches, n_bytes / n_tokens
+
+    def epochs(self, windows: int, seq_len: int) -> float:
+        """Epochs of the source the mixture repeats most."""
+        return max(data.epochs(windows * weight, seq_len) for data, weight in self.sources)
 
     def record(self) -> dict:
         records = [data.record() for data, _ in self.sources]
@@ -75,50 +110,6 @@ class Mixture:
     def unigram(self) -> np.ndarray:
         return sum(data.unigram() for data, _ in self.sources)
 
-    def windows_per_epoch(self, seq_len: int) -> list[int]:
-        return [len(Windows(data.tokens("train"), seq_len)) for data, _ in self.sources]
-
 
 def _short(value) -> str:
     return f"{value[:12]}..." if isinstance(value, str) and len(value) > 16 else str(value)
-
-
-def mixture_dataset(mixture: Mixture, seq_len: int, global_batch: int, seed: int, process_index: int = 0,
-                    process_count: int = 1) -> grain.MapDataset:
-    """An infinite `MapDataset` of this process's [global_batch / process_count, seq_len + 1] batches,
-    each window drawn from one source with the mixture's weights."""
-    if global_batch % process_count:
-        raise DataError(f"global batch {global_batch} is not divisible by {process_count} processes")
-    windows = [Windows(data.tokens("train"), seq_len) for data, _ in mixture.sources]
-    parts = []
-    for i, w in enumerate(windows):
-        if len(w) == 0:
-            raise DataError(f"{mixture.sources[i][0].path}: the training split holds no window of {seq_len + 1} tokens")
-        parts.append(grain.MapDataset.range(len(w)).seed(seed + i).shuffle().repeat().map(lambda j, i=i: (i, j)))
-    ds = grain.MapDataset.mix(parts, mixture.weights)[process_index::process_count]
-
-    def read(batch):
-        source_B, index_B = (np.asarray(x) for x in batch)
-        out = np.zeros((len(index_B), seq_len + 1), np.int32)
-        for i, w in enumerate(windows):
-            rows = np.flatnonzero(source_B == i)
-            if len(rows):
-                out[rows] = w.batch(index_B[rows])
-        return out
-
-    return ds.batch(global_batch // process_count, drop_remainder=True).map(read)
-
-
-def mixture_eval_batches(mixture: Mixture, seq_len: int, batch: int, max_batches: int | None
-                         ) -> tuple[list[np.ndarray], float]:
-    """Validation batches from every source in proportion to the weights (at least one each), and
-    their mean UTF-8 bytes per token (for bits per byte)."""
-    batches, n_bytes, n_tokens = [], 0.0, 0
-    for data, weight in mixture.sources:
-        want = max(1, round(weight * max_batches)) if max_batches else None
-        mine = eval_batches(data.tokens("val"), seq_len, batch, want)
-        batches += mine
-        tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in mine)
-        n_tokens += tokens
-        n_bytes += tokens * data.bytes_per_token("val")
-    return batches, n_bytes / n_tokens

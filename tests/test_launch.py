@@ -565,6 +565,19 @@ def test_slurm_defaults_container_and_env(tmp_path):
     assert srun[5:9] == ["env", "JAX_LOCAL_DEVICE_IDS=0,1", "python3", "-m"]  # the image's python
 
 
+def test_slurm_job_shown_in_the_docs_is_the_one_written():
+    """docs/guides/scaling-out.md's excerpt of the job: lines of the job its command prints (the
+    checkout at /home/me/deltares)."""
+    with open(os.path.join(ROOT, "docs", "guides", "scaling-out.md")) as f:
+        page = f.read().split("## GPU clusters (SLURM)", 1)[1]
+    command = page.split("```bash\n", 1)[1].split("\n```", 1)[0].replace("\\\n", " ")
+    shown = page.split("```text\n", 1)[1].split("\n```", 1)[0].splitlines()
+    script, _, _, _ = slurm_job(shlex.split(command)[1:])
+    written = script.replace(ROOT, "/home/me/deltares").splitlines()
+    assert [line for line in shown if line != "..."] == [line for line in written if line in shown]
+    assert len(shown) > 10 and shown[-1].startswith("srun ")
+
+
 @pytest.mark.parametrize("args, needle", [
     (SLURM_ARGS[2:], "--config"), ([*SLURM_ARGS, "--nodes", "0"], "--nodes must be a positive whole number"),
     ([*SLURM_ARGS, "--gpus-per-node", "x"], "--gpus-per-node must be"), ([*SLURM_ARGS, "--save-before", "5m"],
@@ -611,7 +624,7 @@ trap 'kill -TERM $task' TERM
 wait $task
 wait $task
 """
-FAKE_TRAINER = """sleep "$FAKE_TRAIN_SECONDS" & steps=$!
+FAKE_STEP_TRAINER = """sleep "$FAKE_TRAIN_SECONDS" & steps=$!
 trap 'kill $steps; echo saved >> "$FAKE_LOG"; exit 0' TERM
 echo "started $JAX_LOCAL_DEVICE_IDS $*" >> "$FAKE_LOG"
 wait $steps
@@ -628,7 +641,7 @@ echo finished >> "$FAKE_LOG"
 def test_slurm_job_saves_before_the_time_limit_and_requeues(tmp_path, requeue, signal_, log, requeued):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").write_text("#!/usr/bin/env bash\n" + FAKE_TRAINER)
+    (venv / "bin" / "python").write_text("#!/usr/bin/env bash\n" + FAKE_STEP_TRAINER)
     (venv / "bin" / "python").chmod(0o755)
     script = slurm_job([*SLURM_ARGS, "--venv", str(venv), "--gpus-per-node", "2", *(["--requeue"] * requeue)])[0]
     (tmp_path / "job.sbatch").write_text(script)

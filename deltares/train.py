@@ -58,8 +58,12 @@ RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "data.mixture", 
 def initialize_distributed() -> None:
     """Joins the other processes of a multi-host job; nothing on one host. A TPU pod slice (or SLURM,
     Open MPI, Kubernetes) is found by jax itself; elsewhere `JAX_COORDINATOR_ADDRESS=host:port`,
-    `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` name the job (jax 0.10 reads only the first)."""
+    `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` name the job (jax 0.10 reads only the first).
+    A SLURM job step of one task is one process with nothing to join: jax's SLURM detection would
+    give it only the GPU numbered by its local task id (`SLURM_LOCALID`), so it is not started."""
     env = os.environ
+    if env.get("SLURM_NTASKS") == "1" and "JAX_NUM_PROCESSES" not in env:
+        return
     if "JAX_NUM_PROCESSES" in env or "JAX_PROCESS_ID" in env:
         try:
             address, count, index = env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Train deltares on one local NVIDIA GPU: create (or reuse) a virtual environment, install
-# the requirements plus the CUDA build of the pinned jax, check that JAX sees a GPU, train.
-# See launch/README.md.
+# Train deltares on the NVIDIA GPUs of one node, all of them in one process (the default
+# mesh, FSDP over every device, spans them): create (or reuse) a virtual environment,
+# install the requirements plus the CUDA build of the pinned jax, check that JAX sees the
+# GPUs, train. See launch/README.md.
 #
 #   launch/gpu.sh --config experiments/s220m.py:delta_block --workdir runs/x [-- --config.key=value ...]
 set -euo pipefail
@@ -14,7 +15,7 @@ WORKDIR=${DELTARES_WORKDIR:-}
 VENV=${DELTARES_VENV:-$ROOT/.venv}
 PYTHON=${DELTARES_PYTHON:-python3}
 CUDA=${DELTARES_CUDA:-12}
-GPU=${DELTARES_GPU:-}
+GPUS=${DELTARES_GPUS:-all}
 INSTALL=1 DRY=0 EXTRA=()
 
 usage() {
@@ -25,7 +26,8 @@ Usage: launch/gpu.sh [options] [-- train overrides...]
   --venv DIR         virtual environment to create/reuse (env DELTARES_VENV; default .venv)
   --python PY        Python >= 3.11 that creates the venv (env DELTARES_PYTHON; default python3)
   --cuda 12|13       CUDA major version of the jax build (env DELTARES_CUDA; default 12)
-  --gpu ID           use only this GPU (sets CUDA_VISIBLE_DEVICES; env DELTARES_GPU)
+  --gpus all|N|IDS   the GPUs to train on: all (default), the first N, or a list of IDs such as
+                     0,2 or 3, (sets CUDA_VISIBLE_DEVICES; env DELTARES_GPUS)
   --skip-install     reuse the venv as it is
   --dry-run          print every command instead of running it
 Everything after `--` is passed to `python -m deltares.train`.
@@ -39,7 +41,7 @@ while (($#)); do
   opt=$1
   if [[ $opt == --*=* ]]; then set -- "${opt%%=*}" "${opt#*=}" "${@:2}"; opt=$1; fi
   case $opt in
-    --config | --workdir | --venv | --python | --cuda | --gpu)
+    --config | --workdir | --venv | --python | --cuda | --gpus)
       (($# >= 2)) || die "$opt needs a value"
       var=${opt#--}
       printf -v "${var^^}" '%s' "$2" # --cuda 13  ->  CUDA=13
@@ -57,6 +59,17 @@ missing=()
 [[ -n $WORKDIR ]] || missing+=(--workdir)
 ((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
 [[ $CUDA == 12 || $CUDA == 13 ]] || die "--cuda must be 12 or 13, not '$CUDA'"
+env=(env) count=0 # count: the GPUs JAX must see (0: any number)
+if [[ $GPUS =~ ^[1-9][0-9]*$ ]]; then
+  count=$GPUS
+  env+=("CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS - 1)))")
+elif [[ $GPUS =~ ^[0-9]+(,[0-9]+)*,?$ && $GPUS == *,* ]]; then
+  IFS=, read -ra ids <<<"$GPUS"
+  count=${#ids[@]}
+  env+=("CUDA_VISIBLE_DEVICES=${GPUS%,}")
+elif [[ $GPUS != all ]]; then
+  die "--gpus must be all, a number of GPUs or a list of IDs (0,2; one ID: 3,), not '$GPUS'"
+fi
 check_config_and_jax_pin
 py=$VENV/bin/python
 run cd "$ROOT" # configs, relative workdirs and venvs are relative to the repository root
@@ -76,8 +89,7 @@ elif ((!DRY)) && [[ ! -x $py ]]; then
   die "--skip-install but $VENV has no bin/python"
 fi
 
-env=(env)
-[[ -z $GPU ]] || env+=("CUDA_VISIBLE_DEVICES=$GPU")
-run "${env[@]}" "$py" -c 'import jax, sys; d = jax.devices(); print("jax", jax.__version__, d); sys.exit(d[0].platform != "gpu" and "gpu.sh: error: JAX sees no GPU (driver? --cuda 12/13?)")'
+check='import jax, sys; d, n = jax.devices(), int(sys.argv[1]); print("jax", jax.__version__, len(d), "devices:", d); sys.exit("gpu.sh: error: JAX sees no GPU (driver? --cuda 12/13?)" if d[0].platform != "gpu" else n and len(d) != n and f"gpu.sh: error: JAX sees {len(d)} GPUs, not the {n} of --gpus")'
+run "${env[@]}" "$py" -c "$check" "$count"
 train=("${env[@]}" "$py" -m deltares.train --config "$CONFIG" --workdir "$WORKDIR" "${EXTRA[@]}")
 if ((DRY)); then run "${train[@]}"; else exec "${train[@]}"; fi

@@ -1,11 +1,12 @@
 """`python -m deltares.train ARGS` as tests/test_multihost.py runs it, one process per simulated host,
 recording what the test checks.
 
-The trainer's own `__main__` runs unchanged (flags, `initialize_distributed` from the `JAX_*`
-environment, the loop). Two hooks record, into `$DELTARES_TEST_RECORD` at exit: the local
-rows of every batch the loop takes from the data iterator (one `next` per step) and the step
-of every checkpoint save. `$DELTARES_TEST_STEP_SLEEP` seconds of sleep per step keep the run
-going long enough for a signal to land mid-run.
+The trainer's own `__main__` runs unchanged (flags, `initialize_distributed` from the SLURM or
+`JAX_*` environment, the loop). Two hooks record, into `$DELTARES_TEST_RECORD` at exit: the local
+rows of every batch the loop takes from the data iterator (one `next` per step) and the step of
+every checkpoint save; with them the process's index and count, and whether it joined a cluster.
+`$DELTARES_TEST_STEP_SLEEP` seconds of sleep per step keep the run going long enough for a signal
+to land mid-run.
 """
 
 import atexit
@@ -15,7 +16,9 @@ import runpy
 import sys
 import time
 
+import jax
 import numpy as np
+from jax._src import distributed  # whether jax.distributed.initialize ran (its client)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -63,7 +66,8 @@ def recording_save(self, step, *args, _inner=checkpoint.Checkpointer.save):
 def dump():
     np.save(RECORD + ".npy", np.stack(rows) if rows else np.zeros((0, 0, 0), np.int32))
     with open(RECORD + ".json", "w") as f:
-        json.dump({"saves": saves, "steps": len(rows)}, f)
+        json.dump({"saves": saves, "steps": len(rows), "process": [jax.process_index(), jax.process_count()],
+                   "distributed": distributed.global_state.client is not None}, f)
 
 
 dataset.train_iterator = recording_iterator  # `deltares.train` imports both names when it runs below

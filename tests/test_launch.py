@@ -1,7 +1,10 @@
-"""launch/tpu.sh, launch/gpu.sh and launch/gpu_bench.sh: the commands they print (--dry-run) and run.
+"""launch/tpu.sh, launch/gpu.sh, launch/slurm.sh and launch/gpu_bench.sh: the commands they print
+(--dry-run) and run.
 
-No cloud and no GPU needed: the real (non-dry) paths run against a fake `gcloud` on
-PATH, or a fake venv `python`, that log their arguments. With `FAKE_HOME` the fake
+No cloud, cluster or GPU needed: the real (non-dry) paths run against a fake `gcloud`, `sbatch`,
+`srun` or `scontrol` on PATH, or a fake venv `python`, that log their arguments. The SLURM job
+script itself runs with a fake `srun` and trainer (its command line runs for real, as 2
+processes, in tests/test_multihost.py). With `FAKE_HOME` the fake
 `gcloud` also runs each `ssh --command` in that directory, as one worker would: the
 detached start, the log and pid files and `--stop` run for real there, with a fake
 trainer that saves and exits on SIGTERM.
@@ -24,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(ROOT, "launch", "tpu.sh")
 GPU = os.path.join(ROOT, "launch", "gpu.sh")
 GPU_BENCH = os.path.join(ROOT, "launch", "gpu_bench.sh")
+SLURM = os.path.join(ROOT, "launch", "slurm.sh")
 BASH = shutil.which("bash")
 SEP = "\x1f"  # the fakes join their arguments with this
 
@@ -410,7 +414,7 @@ def test_gpu_dry_run_prints_every_step(tmp_path):
     assert [py, "-m", "pip", "install", "-q", "-r", "requirements.txt"] in cmds
     assert [py, "-m", "pip", "install", "-q", f"jax[cuda12]=={jax_pin()}"] in cmds
     check = find(cmds, "-c")
-    assert check[:2] == ["env", py] and "jax.devices()" in check[-1]
+    assert check[:2] == ["env", py] and "jax.devices()" in check[-2] and check[-1] == "0"  # JAX sees any number
     assert cmds[-1] == ["env", py, "-m", "deltares.train", "--config", "experiments/s220m.py:delta_block",
                         "--workdir", "runs/x", *OVERRIDES]
 
@@ -420,12 +424,16 @@ def test_gpu_options(tmp_path):
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("#!/bin/sh\n")
     (venv / "bin" / "python").chmod(0o755)
-    res = run(GPU, ["--dry-run", *GPU_ARGS, f"--venv={venv}", "--cuda", "13", "--gpu", "1"])
+    res = run(GPU, ["--dry-run", *GPU_ARGS, f"--venv={venv}", "--cuda", "13"])
     assert res.returncode == 0, res.stderr
     cmds = commands(res.stdout)
     assert not any("venv" in c for c in cmds)  # reused
     assert f"jax[cuda13]=={jax_pin()}" in cmds[-3]
-    assert cmds[-1][:2] == ["env", "CUDA_VISIBLE_DEVICES=1"]
+    assert cmds[-2][0] == "env" and cmds[-2][-1] == "0" and cmds[-1][:2] == ["env", str(venv / "bin" / "python")]
+    for gpus, visible, count in (("4", "0,1,2,3", "4"), ("1,3,6", "1,3,6", "3"), ("5,", "5", "1")):
+        cmds = commands(run(GPU, ["--dry-run", *GPU_ARGS, f"--venv={venv}", "--gpus", gpus]).stdout)
+        assert cmds[-2][:2] == cmds[-1][:2] == ["env", f"CUDA_VISIBLE_DEVICES={visible}"]
+        assert cmds[-2][-1] == count  # the number of GPUs the check wants JAX to see
     res = run(GPU, ["--dry-run", *GPU_ARGS, f"--venv={venv}", "--skip-install"])
     assert not any("pip" in c for c in commands(res.stdout))
     env = clean_env(DELTARES_CONFIG="experiments/tiny.py:delta", DELTARES_WORKDIR="runs/y", DELTARES_VENV=str(venv))
@@ -437,7 +445,9 @@ def test_gpu_options(tmp_path):
     (GPU_ARGS[2:], "--config"),
     (GPU_ARGS[:2], "--workdir"),
     ([*GPU_ARGS, "--cuda", "11"], "--cuda"),
-    ([*GPU_ARGS, "--gpu"], "--gpu needs a value"),
+    ([*GPU_ARGS, "--gpus"], "--gpus needs a value"),
+    ([*GPU_ARGS, "--gpus", "0"], "--gpus must be all, a number of GPUs or a list of IDs"),
+    ([*GPU_ARGS, "--gpus", "1-3"], "not '1-3'"),
     (["--config", "experiments/nope.py:x", "--workdir", "w"], "experiments/nope.py"),
 ])
 def test_gpu_bad_settings_are_one_line_errors(args, needle):
@@ -458,7 +468,7 @@ def test_gpu_real_run_with_a_fake_venv(tmp_path, no_gpu):
     (venv / "bin" / "python").chmod(0o755)
     log = tmp_path / "python.log"
     env = clean_env(FAKE_LOG=str(log), FAKE_NO_GPU="1" if no_gpu else "")
-    res = run(GPU, [*GPU_ARGS, "--venv", str(venv), "--gpu", "0", "--", "--config.train.steps=3"], env=env,
+    res = run(GPU, [*GPU_ARGS, "--venv", str(venv), "--gpus", "1", "--", "--config.train.steps=3"], env=env,
               cwd=str(tmp_path))
     calls = [line.split(SEP)[:-1] for line in log.read_text().splitlines()]
     assert all(c[0] == ROOT for c in calls)  # run from the repository root
@@ -472,6 +482,191 @@ def test_gpu_real_run_with_a_fake_venv(tmp_path, no_gpu):
     else:
         assert res.returncode == 0, res.stderr
         assert calls[5][1:] == ["0", "-m", "deltares.train", *GPU_ARGS, "--config.train.steps=3"]
+
+
+FAKE_JAX = """__version__ = "fake"
+class Device:
+    def __init__(self, platform):
+        self.platform = platform
+def devices():
+    import os
+    return [Device(os.environ["FAKE_PLATFORM"])] * int(os.environ["FAKE_DEVICES"])
+"""
+
+
+@pytest.mark.parametrize("platform, devices, gpus, error", [
+    ("gpu", 8, "all", None), ("gpu", 4, "4", None), ("gpu", 2, "0,3", None),
+    ("gpu", 8, "4", "JAX sees 8 GPUs, not the 4 of --gpus"), ("cpu", 1, "all", "JAX sees no GPU"),
+])
+def test_gpu_check_wants_the_gpus_asked_for(tmp_path, platform, devices, gpus, error):
+    """The check command as printed, run with a stand-in `jax` that has DEVICES devices of PLATFORM."""
+    (tmp_path / "jax.py").write_text(FAKE_JAX)
+    cmds = commands(run(GPU, ["--dry-run", *GPU_ARGS, "--skip-install", "--gpus", gpus]).stdout)
+    check = find(cmds, "-c")
+    env = clean_env(PYTHONPATH=str(tmp_path), FAKE_PLATFORM=platform, FAKE_DEVICES=str(devices))
+    res = subprocess.run([sys.executable, *check[check.index("-c"):]], env=env, capture_output=True, text=True)
+    if error is None:
+        assert res.returncode == 0 and f"fake {devices} devices" in res.stdout, res.stderr
+    else:
+        assert res.returncode == 1 and res.stderr.strip() == f"gpu.sh: error: {error}" + (
+            "" if platform == "gpu" else " (driver? --cuda 12/13?)")
+
+
+# ---------------------------------------------------------------- slurm.sh
+
+SLURM_ARGS = ["--config", "experiments/s7b6.py:delta_block", "--workdir", "/shared/runs/s7b6"]
+
+
+def slurm_job(args, env=None):
+    """(the job script, its #SBATCH options, the srun line's words, the printed commands) of a --dry-run."""
+    res = run(SLURM, ["--dry-run", *args], env=env)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# ") and line.endswith(".sbatch:"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("+ mkdir"))
+    script = "\n".join(lines[start + 1:end]) + "\n"
+    subprocess.run([BASH, "-n", "-c", script], check=True)  # valid shell
+    options = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    (srun,) = [shlex.split(line) for line in script.splitlines() if line.startswith("srun ")]
+    return script, options, srun, commands(res.stdout)
+
+
+def test_slurm_dry_run_prints_the_job_and_the_submission(tmp_path):
+    venv = tmp_path / "venv"
+    script, options, srun, cmds = slurm_job([
+        *SLURM_ARGS, "--nodes", "4", "--gpus-per-node", "8", "--time", "24:00:00", "--partition", "gpu",
+        "--account=lab", "--sbatch=--qos=high", "--sbatch", "--exclusive", "--venv", str(venv), "--requeue",
+        "--save-before", "600", "--job-name", "s7b6", "--", *OVERRIDES])
+    assert script.startswith("#!/bin/bash\n")
+    assert options == [
+        "--job-name=s7b6", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=24:00:00",
+        "--partition=gpu", "--account=lab", f"--chdir={ROOT}", "--output=runs/slurm/s7b6-%j.log", "--open-mode=append",
+        "--signal=B:USR1@600", "--requeue", "--qos=high", "--exclusive"]
+    assert srun == ["srun", "--kill-on-bad-exit=1", "env", "JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7",
+                    f"{venv}/bin/python", "-m", "deltares.train", *SLURM_ARGS, *OVERRIDES, "&"]
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert cmds == [["cd", ROOT], ["mkdir", "-p", "runs/slurm"], ["sbatch", "--parsable", "runs/slurm/s7b6.sbatch"]]
+
+
+def test_slurm_defaults_container_and_env(tmp_path):
+    env = clean_env(DELTARES_CONFIG="experiments/tiny.py:delta", DELTARES_WORKDIR="runs/y")
+    script, options, srun, _ = slurm_job([], env=env)
+    assert options == ["--job-name=deltares", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=8",
+                       f"--chdir={ROOT}", "--output=runs/slurm/deltares-%j.log", "--open-mode=append",
+                       "--signal=B:USR1@300"]
+    assert "scontrol" not in script and "submit this job again to resume" in script
+    assert srun[-9:] == ["JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7", f"{ROOT}/.venv/bin/python", "-m", "deltares.train",
+                         "--config", "experiments/tiny.py:delta", "--workdir", "runs/y", "&"]
+    _, _, srun, _ = slurm_job([*SLURM_ARGS, "--container", "nvcr.io/nvidia/jax:25.04", "--mounts", "/data:/data",
+                               "--gpus-per-node", "2"])
+    assert srun[:5] == ["srun", "--kill-on-bad-exit=1", "--container-image=nvcr.io/nvidia/jax:25.04",
+                        f"--container-mounts={ROOT}:{ROOT},/shared/runs:/shared/runs,/data:/data",
+                        f"--container-workdir={ROOT}"]
+    assert srun[5:9] == ["env", "JAX_LOCAL_DEVICE_IDS=0,1", "python3", "-m"]  # the image's python
+
+
+def test_slurm_job_shown_in_the_docs_is_the_one_written():
+    """docs/guides/scaling-out.md's excerpt of the job: lines of the job its command prints (the
+    checkout at /home/me/deltares)."""
+    with open(os.path.join(ROOT, "docs", "guides", "scaling-out.md")) as f:
+        page = f.read().split("## GPU clusters (SLURM)", 1)[1]
+    command = page.split("```bash\n", 1)[1].split("\n```", 1)[0].replace("\\\n", " ")
+    shown = page.split("```text\n", 1)[1].split("\n```", 1)[0].splitlines()
+    script, _, _, _ = slurm_job(shlex.split(command)[1:])
+    written = script.replace(ROOT, "/home/me/deltares").splitlines()
+    assert [line for line in shown if line != "..."] == [line for line in written if line in shown]
+    assert len(shown) > 10 and shown[-1].startswith("srun ")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (SLURM_ARGS[2:], "--config"), ([*SLURM_ARGS, "--nodes", "0"], "--nodes must be a positive whole number"),
+    ([*SLURM_ARGS, "--gpus-per-node", "x"], "--gpus-per-node must be"), ([*SLURM_ARGS, "--save-before", "5m"],
+    "--save-before must be"), ([*SLURM_ARGS, "--mounts", "/a:/a"], "--mounts needs --container"),
+    ([*SLURM_ARGS, "--job-name", "a b"], "--job-name may hold"), ([*SLURM_ARGS, "--sbatch"], "--sbatch needs a value"),
+    ([*SLURM_ARGS, "--gpus", "8"], "unknown argument '--gpus'"),
+])
+def test_slurm_bad_settings_are_one_line_errors(args, needle):
+    check_one_line_error(run(SLURM, ["--dry-run", *args]), needle)
+
+
+def fake_bin(tmp_path, **scripts):
+    """A directory of fake commands (name -> bash body), first on PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bindir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bindir / name).chmod(0o755)
+    return f"{bindir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_slurm_submits_the_job_it_prints(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / "bin" / "python").chmod(0o755)
+    args = [*SLURM_ARGS, "--venv", str(venv), "--logs", str(tmp_path / "jobs")]
+    path = fake_bin(tmp_path, sbatch=f'echo "$*" > {tmp_path}/sbatch.log; echo "123;cluster"')
+    res = run(SLURM, args, env=clean_env(PATH=path))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "sbatch.log").read_text() == f"--parsable {tmp_path}/jobs/deltares.sbatch\n"
+    assert f"submitted job 123: {tmp_path}/jobs/deltares.sbatch, log {tmp_path}/jobs/deltares-123.log" in res.stdout
+    assert (tmp_path / "jobs" / "deltares.sbatch").read_text() == slurm_job(args)[0]
+    path = fake_bin(tmp_path, sbatch='echo "sbatch: error: Invalid account" >&2; exit 1')
+    check_one_line_error(run(SLURM, args, env=clean_env(PATH=path)), "sbatch refused", "Invalid account")
+    check_one_line_error(run(SLURM, [*SLURM_ARGS, "--venv", str(tmp_path / "none")]), "none/bin/python not found")
+
+
+# The job step's stand-ins: srun runs its command (srun's options dropped) and passes SIGTERM on, as the
+# real one does to its tasks; the trainer logs its start and its variables, and on SIGTERM "saves" and exits 0.
+FAKE_SRUN = """while [[ $1 == --* ]]; do shift; done
+"$@" & task=$!
+trap 'kill -TERM $task' TERM
+wait $task
+wait $task
+"""
+FAKE_STEP_TRAINER = """sleep "$FAKE_TRAIN_SECONDS" & steps=$!
+trap 'kill $steps; echo saved >> "$FAKE_LOG"; exit 0' TERM
+echo "started $JAX_LOCAL_DEVICE_IDS $*" >> "$FAKE_LOG"
+wait $steps
+echo finished >> "$FAKE_LOG"
+"""
+
+
+@pytest.mark.parametrize("requeue, signal_, log, requeued", [
+    (True, "USR1", ["saved"], True),  # the time limit is near: save, then back to the queue
+    (False, "USR1", ["saved"], False),  # the same without --requeue: saved, and the log says to resubmit
+    (True, "TERM", ["saved"], False),  # scancel or a preemption: SLURM itself cancels or requeues
+    (True, None, ["finished"], False),  # the run reaches its last step
+])
+def test_slurm_job_saves_before_the_time_limit_and_requeues(tmp_path, requeue, signal_, log, requeued):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/usr/bin/env bash\n" + FAKE_STEP_TRAINER)
+    (venv / "bin" / "python").chmod(0o755)
+    script = slurm_job([*SLURM_ARGS, "--venv", str(venv), "--gpus-per-node", "2", *(["--requeue"] * requeue)])[0]
+    (tmp_path / "job.sbatch").write_text(script)
+    fake_log = tmp_path / "trainer.log"
+    env = clean_env(PATH=fake_bin(tmp_path, srun=FAKE_SRUN, scontrol=f'echo "$*" >> {tmp_path}/scontrol.log'),
+                    FAKE_LOG=str(fake_log), FAKE_TRAIN_SECONDS="0" if signal_ is None else "30", SLURM_JOB_ID="42")
+    job = subprocess.Popen([BASH, str(tmp_path / "job.sbatch")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (fake_log.exists() and "started" in fake_log.read_text()):
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.05)
+        if signal_:
+            job.send_signal(getattr(signal, "SIG" + signal_))
+        out, _ = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode == 0, out
+    lines = fake_log.read_text().splitlines()
+    assert lines[0] == f"started 0,1 -m deltares.train {' '.join(SLURM_ARGS)}" and lines[1:] == log
+    assert (tmp_path / "scontrol.log").exists() == requeued
+    if requeued:
+        assert (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
+    assert ("submit this job again" in out) == (signal_ == "USR1" and not requeue)
 
 
 # ---------------------------------------------------------------- lint
@@ -567,11 +762,11 @@ def test_gpu_bench_bad_arguments_are_one_line_errors(args, needle):
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-@pytest.mark.parametrize("script", [TPU, GPU, GPU_BENCH])
+@pytest.mark.parametrize("script", [TPU, GPU, SLURM, GPU_BENCH])
 def test_shellcheck(script):
     subprocess.run(["shellcheck", script], check=True)
 
 
 def test_scripts_are_executable():
-    for script in (TPU, GPU, GPU_BENCH):
+    for script in (TPU, GPU, SLURM, GPU_BENCH):
         assert os.stat(script).st_mode & stat.S_IXUSR

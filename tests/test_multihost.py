@@ -1,24 +1,31 @@
 """Multi-host for real on one machine: `deltares.train` as 2 processes x 4 CPU devices joined by
-`jax.distributed` (a local coordinator named by `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
-`JAX_PROCESS_ID`; gloo collectives across the processes), training `debug` on an fsdp=8 mesh,
-against the same config as one process with 8 devices.
+`jax.distributed`, training `debug` on an fsdp=8 mesh, against the same config as one process with
+8 devices. The 2 processes run the command line of the SLURM job that `launch/slurm.sh` writes for
+2 nodes of 4 devices (its `srun` step), each with the variables SLURM gives a task (`SLURM_JOB_ID`,
+`SLURM_STEP_NODELIST`, `SLURM_NTASKS`, `SLURM_PROCID`, ...), so jax's SLURM detection joins them
+(a local coordinator port from `JAX_COORDINATOR_PORT`; gloo collectives across the processes).
 
 One scenario, run once for the module: the single-process reference runs STEPS steps; the
 2-process run gets SIGTERM on process 1 only after its first steps, so that both processes
 save one agreed step (jax's preemption sync point) and exit 0; the same command restarted on
-both resumes from that checkpoint to STEPS. `tests/multihost_worker.py` records each process's
-batches and saves. Every wait has a deadline: a hung collective fails the test.
+both resumes from that checkpoint to STEPS (a requeued job). `tests/multihost_worker.py` records
+each process's batches and saves. Every wait has a deadline: a hung collective fails the test.
+The job's other lines (the signal before the time limit, the requeue) are tested in
+tests/test_launch.py. The single process joins a cluster of one named by `JAX_COORDINATOR_ADDRESS`,
+`JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` (the way off SLURM and Cloud TPU).
 """
 
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -30,6 +37,7 @@ from deltares.train import TrainError, initialize_distributed
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
 
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
+SLURM = os.path.join(ROOT, "launch", "slurm.sh")
 STEPS, SEQ, BATCH, PROCESSES, STATS_EVERY = 20, 32, 8, 2, 5
 SIGNAL_AFTER = 2  # steps process 0 has logged when process 1 gets SIGTERM
 STEP_SLEEP = 0.1  # seconds per step (worker hook): the notice reaches the sync point well before STEPS
@@ -49,7 +57,8 @@ def free_port() -> int:
 
 
 def process_env(devices: int, record: str, sleep: float, **extra) -> dict:
-    env = {k: v for k, v in ENV.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
+    env = {k: v for k, v in ENV.items()
+           if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "SLURM_"))}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env.update(
         XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
@@ -60,19 +69,56 @@ def process_env(devices: int, record: str, sleep: float, **extra) -> dict:
     return env
 
 
+def slurm_task_env(i: int, port: int) -> dict:
+    """What SLURM sets for task `i` of a job step of PROCESSES nodes, one task each (node names: this
+    machine), and the coordinator port (jax's default derives it from the job id)."""
+    return dict(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", SLURM_STEP_NODELIST="localhost",
+                SLURM_NNODES=str(PROCESSES), SLURM_STEP_NUM_NODES=str(PROCESSES), SLURM_NTASKS=str(PROCESSES),
+                SLURM_PROCID=str(i), SLURM_NODEID=str(i), SLURM_LOCALID="0", JAX_COORDINATOR_PORT=str(port))
+
+
+def slurm_step(tmp, dataset, workdir) -> list[str]:
+    """The trainer's command line of the job `launch/slurm.sh --dry-run` prints for PROCESSES nodes of
+    8 / PROCESSES devices: its `srun` line without srun and srun's options, the venv's python (a
+    stand-in that runs this one) given the recording worker in place of `-m deltares.train`."""
+    venv = os.path.join(tmp, "venv")
+    if not os.path.exists(venv):
+        os.makedirs(os.path.join(venv, "bin"))
+        with open(os.path.join(venv, "bin", "python"), "w") as f:
+            f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        os.chmod(os.path.join(venv, "bin", "python"), 0o755)
+    job = subprocess.run(
+        ["bash", SLURM, "--dry-run", "--nodes", str(PROCESSES), "--gpus-per-node", str(8 // PROCESSES), "--venv", venv,
+         "--config", "experiments/debug.py", "--workdir", str(workdir), "--", f"--config.data.dataset={dataset}",
+         *OVERRIDES], capture_output=True, text=True, check=True).stdout
+    (line,) = [line for line in job.splitlines() if line.startswith("srun ")]
+    words = shlex.split(line)
+    assert words[-1] == "&"
+    words = words[1:-1]
+    while words[0].startswith("--"):  # srun's options
+        words.pop(0)
+    m = words.index("-m")
+    assert words[:2] == ["env", f"JAX_LOCAL_DEVICE_IDS={','.join(map(str, range(8 // PROCESSES)))}"]
+    assert words[m - 1] == os.path.join(venv, "bin", "python") and words[m + 1] == "deltares.train"
+    return [*words[:m], WORKER, *words[m + 2:]]
+
+
 class Run:
     """The processes of one launch of the trainer on `workdir`; output and records under `out`."""
 
-    def __init__(self, dataset, workdir, out, processes):
+    def __init__(self, dataset, workdir, out, processes, tmp):
         os.makedirs(out, exist_ok=True)
         self.workdir, self.out, self.deadline = str(workdir), str(out), time.monotonic() + TIMEOUT
-        cmd = [sys.executable, WORKER, "--config", os.path.join(ROOT, "experiments", "debug.py"),
-               "--workdir", self.workdir, f"--config.data.dataset={dataset}", *OVERRIDES]
+        if processes == 1:
+            cmd = [sys.executable, WORKER, "--config", os.path.join(ROOT, "experiments", "debug.py"),
+                   "--workdir", self.workdir, f"--config.data.dataset={dataset}", *OVERRIDES]
+        else:
+            cmd = slurm_step(tmp, dataset, workdir)
         port = free_port()
         self.procs = []
         for i in range(processes):
-            cluster = {} if processes == 1 else dict(
-                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
+            cluster = slurm_task_env(i, port) if processes > 1 else dict(  # a cluster of one, by jax's own variables
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0")
             env = process_env(8 // processes, self.path(i, "record"), STEP_SLEEP if processes > 1 else 0, **cluster)
             with open(self.path(i, "stdout"), "w") as stdout, open(self.path(i, "stderr"), "w") as stderr:
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr))
@@ -133,15 +179,15 @@ def scenario(tmp_path_factory):
     prepare("builtin", "bytes", str(dataset), val_fraction=0.05, progress=False)
     started, runs = time.monotonic(), []
     try:
-        single = Run(dataset, tmp / "single", tmp / "single-out", 1)
-        first = Run(dataset, tmp / "multi", tmp / "first-out", PROCESSES)  # both at once: mostly waiting
+        single = Run(dataset, tmp / "single", tmp / "single-out", 1, tmp)
+        first = Run(dataset, tmp / "multi", tmp / "first-out", PROCESSES, tmp)  # both at once: mostly waiting
         runs += [single, first]
         first.wait_for_logged_steps(SIGNAL_AFTER)
         first.procs[1].send_signal(signal.SIGTERM)
         first_records = first.finish()
         checkpoints_after_first = checkpoint_steps(first.workdir)
         metrics_after_first = read_metrics(first.workdir)
-        second = Run(dataset, tmp / "multi", tmp / "second-out", PROCESSES)
+        second = Run(dataset, tmp / "multi", tmp / "second-out", PROCESSES, tmp)
         runs.append(second)
         second_records = second.finish()
         single_records = single.finish()
@@ -169,6 +215,22 @@ def test_an_incomplete_cluster_environment_is_a_clear_error(monkeypatch, env):
         initialize_distributed()
 
 
+def test_a_slurm_step_of_one_task_is_one_process_on_every_local_device(monkeypatch):
+    """jax's SLURM detection would hand it the GPU numbered SLURM_LOCALID only: no cluster is started."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in slurm_task_env(0, 1234).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    initialize_distributed()
+    assert calls == []
+    monkeypatch.setenv("SLURM_NTASKS", "2")  # two tasks: jax's detection joins them
+    initialize_distributed()
+    assert calls == [((), {})]
+
+
 def window_indices(data: TokenData, rows_SBT: np.ndarray) -> np.ndarray:
     """The training-window index of every row (windows of SEQ + 1 tokens every SEQ tokens)."""
     tokens = np.asarray(data.tokens("train"))
@@ -193,6 +255,13 @@ def saved_step(scenario) -> int:
     (steps,) = saves
     assert len(steps) == 1, steps
     return steps[0]
+
+
+def test_slurm_variables_join_the_two_processes_and_jax_variables_the_reference(scenario):
+    for records in (scenario["first_records"], scenario["second_records"]):
+        assert [r["process"] for r in records] == [[0, PROCESSES], [1, PROCESSES]]
+    assert scenario["ref"]["process"] == [0, 1]
+    assert all(r["distributed"] for r in (scenario["ref"], *scenario["first_records"], *scenario["second_records"]))
 
 
 def test_sigterm_to_one_process_saves_the_same_step_on_both_and_exits_0(scenario):

@@ -221,18 +221,19 @@ def _trace(step, *args):
         return step.fn.trace(*args)
 
 
-def parse_gpu(spec: str, estimate: bool = False) -> tuple[str, int]:
+def _gpu_target(spec: str, estimate: bool) -> tuple[str, int]:
     """(GPU name, how many) of `--gpu NAME[:N]`; AotError for another form, and for `estimate` with N > 1
     (the GPU step-time model prices one GPU's kernels and knows nothing of the traffic between GPUs)."""
-    from deltares.training.gpu_aot import parse_gpu as parse
+    from deltares.training.gpu_aot import parse_gpu
 
     try:
-        name, count = parse(spec)
+        name, count = parse_gpu(spec)
     except ValueError as err:
         raise AotError(str(err)) from None
     if estimate and count > 1:
         raise AotError(f"--estimate prices one GPU's kernels and models no traffic between GPUs, so not --gpu={spec}; "
-                       f"estimate one GPU at the per-device batch (--gpu {name} --config.train.global_batch=<global batch / {count}>)")
+                       f"estimate one GPU at the per-device batch (--gpu {name} "
+                       f"--config.train.global_batch=<global batch / {count}>)")
     return name, count
 
 
@@ -253,7 +254,7 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
     from deltares.training.metrics import model_flops_per_token
 
     if gpu:
-        gpu, count = parse_gpu(gpu, estimate)  # the report names the GPU; `devices` says how many
+        gpu, count = _gpu_target(gpu, estimate)  # the report names the GPU; `devices` says how many
     check_config(cfg)
     devices = _gpu_devices(gpu, count) if gpu else topology_devices(topology)
     mesh = step_mesh(cfg, devices, topology or f"{count} x {gpu}", mesh_override)

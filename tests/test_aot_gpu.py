@@ -1,6 +1,6 @@
-"""The ahead-of-time GPU compile (`python -m deltares.aot --gpu h100|h200`): XLA's CUDA compiler
+"""The ahead-of-time GPU compile (`python -m deltares.aot --gpu h100|h200[:N]`): XLA's CUDA compiler
 (requirements-cuda-compiler.txt, which .ci/run installs in the virtual environment's cuda-compiler/
-folder) builds the real train step for one GPU on this CPU-only machine.
+folder) builds the real train step for one GPU, or sharded over N, on this CPU-only machine.
 
 The compiles run in subprocesses, through `aot.analyze` and the command line, so that the CUDA
 plugin is never registered in the test process beside its CPU backend (and the TPU compiler of

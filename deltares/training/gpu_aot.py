@@ -49,9 +49,9 @@ def target_config(name: str) -> str:
 def parse_gpu(spec: str) -> tuple[str, int]:
     """'h100' -> ('h100', 1), 'h200:8' -> ('h200', 8): a GPU of deltares/training/gpu_targets and how many;
     ValueError saying the form for anything else."""
-    name, _, count = spec.strip().lower().partition(":")
+    name, colon, count = spec.strip().lower().partition(":")
     target_config(name)  # ValueError for a GPU not shipped
-    if not _:
+    if not colon:
         return name, 1
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"--gpu={spec!r}: expected NAME or NAME:N with N a positive number of GPUs, e.g. h100:8")

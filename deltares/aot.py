@@ -1,4 +1,4 @@
-"""Ahead-of-time memory proof: compile the real train step for a TPU slice or one NVIDIA GPU on a
+"""Ahead-of-time memory proof: compile the real train step for a TPU slice or NVIDIA GPUs on a
 CPU-only machine.
 
     python -m deltares.aot --config experiments/s7b6.py:delta_block --topology v5p:2x2x2
@@ -6,6 +6,7 @@ CPU-only machine.
         --config.model.remat=full --json
     python -m deltares.aot --config experiments/debug.py --topology v5e:2x2 --mesh 1,2,2
     python -m deltares.aot --config experiments/s533m.py:delta_block --gpu h100
+    python -m deltares.aot --config experiments/s1044m.py:delta_block --gpu h100:8
     python -m deltares.aot --config experiments/s220m.py:delta_block --gpu h200 --estimate
     python -m deltares.aot --config experiments/s220m.py:delta --topology v5p:2x2x1 \
         --config.model.remat=full --estimate
@@ -23,15 +24,19 @@ as JAX uses them), the others with one device per TensorCore as libtpu lays them
 `--gpu h100|h200` (instead of `--topology`) compiles for one such GPU with XLA's CUDA compiler,
 the PJRT plugin of JAX's CUDA build (`jax-cuda12-pjrt`; not in requirements.txt: see
 deltares/training/gpu_aot.py), for the GPU described in deltares/training/gpu_targets/. Pallas kernels
-are Triton kernels there. The GPU compiler states no memory limit, so `hbm` is the device
-memory of the target config; JAX on a GPU preallocates 75% of it unless
-XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise. cuDNN's fused attention (the "auto" attention in
+are Triton kernels there. `--gpu h100:8` compiles for 8 of them in one host, as one process of the
+trainer uses a node's GPUs: the step sharded over the mesh of config.mesh (or --mesh) with its
+collectives, and the memory of each device; the compiler makes N compile-only GPUs itself, so these
+are the sharded program's own figures, not one GPU's scaled. The GPU compiler states no memory
+limit, so `hbm` is the device memory of the target config; JAX on a GPU preallocates 75% of it
+unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise. cuDNN's fused attention (the "auto" attention in
 bf16) is compiled as on the GPU: the target config states cuDNN's version and the compute capability.
 
 `--estimate` with `--gpu` prices the compiled program's kernels (`deltares.training.gpu_step_time`:
 each launch's bytes at the memory bandwidth, its FLOPs at the tensor-core peak, plus a cost per
 launch, three constants fitted to step times measured on an H200) and reports launches per step and
-per sublayer, the routing's share and the time by kind of kernel: a model, not a measurement.
+per sublayer, the routing's share and the time by kind of kernel: a model, not a measurement. It
+is for one GPU and refused with `NAME:N`: the model knows no traffic between GPUs.
 
 Reported, per device: arguments (the sharded train state and batch), outputs (the new
 state and the metrics), the bytes outputs share with donated arguments (aliased, counted
@@ -216,25 +221,43 @@ def _trace(step, *args):
         return step.fn.trace(*args)
 
 
-def _gpu_devices(gpu: str) -> list:
+def _gpu_target(spec: str, estimate: bool) -> tuple[str, int]:
+    """(GPU name, how many) of `--gpu NAME[:N]`; AotError for another form, and for `estimate` with N > 1
+    (the GPU step-time model prices one GPU's kernels and knows nothing of the traffic between GPUs)."""
+    from deltares.training.gpu_aot import parse_gpu
+
+    try:
+        name, count = parse_gpu(spec)
+    except ValueError as err:
+        raise AotError(str(err)) from None
+    if estimate and count > 1:
+        raise AotError(f"--estimate prices one GPU's kernels and models no traffic between GPUs, so not --gpu={spec}; "
+                       f"estimate one GPU at the per-device batch (--gpu {name} "
+                       f"--config.train.global_batch=<global batch / {count}>)")
+    return name, count
+
+
+def _gpu_devices(name: str, count: int) -> list:
     from deltares.training import gpu_aot
 
     try:
-        return gpu_aot.gpu_devices(gpu)
-    except (ValueError, gpu_aot.CudaCompilerMissing) as err:
+        return gpu_aot.gpu_devices(name, count)
+    except gpu_aot.CudaCompilerMissing as err:
         raise AotError(str(err)) from None
 
 
 def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_name: str = "",
             gpu: str | None = None, estimate: bool = False) -> dict:
-    """Compiles the train step of `cfg` for `topology` (a TPU slice) or `gpu` (one GPU: "h100",
-    "h200") and returns the report (see module doc); with `gpu` and `estimate`, the GPU step-time
-    model of the compiled program too (`deltares.training.gpu_step_time`)."""
+    """Compiles the train step of `cfg` for `topology` (a TPU slice) or `gpu` (GPUs of one host: "h100",
+    "h200:8") and returns the report (see module doc); with `gpu` and `estimate` (one GPU), the GPU
+    step-time model of the compiled program too (`deltares.training.gpu_step_time`)."""
     from deltares.training.metrics import model_flops_per_token
 
+    if gpu:
+        gpu, count = _gpu_target(gpu, estimate)  # the report names the GPU; `devices` says how many
     check_config(cfg)
-    devices = _gpu_devices(gpu) if gpu else topology_devices(topology)
-    mesh = step_mesh(cfg, devices, topology or gpu, mesh_override)
+    devices = _gpu_devices(gpu, count) if gpu else topology_devices(topology)
+    mesh = step_mesh(cfg, devices, topology or f"{count} x {gpu}", mesh_override)
     global_batch, seq_len = cfg.train.global_batch, cfg.data.seq_len
     try:
         step, abstract_state, batch_sharding = train_step(cfg, mesh)
@@ -535,7 +558,7 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(2)
     if _TOPOLOGY.value and _GPU.value:
-        print("error: --topology (a TPU slice) and --gpu (one GPU) exclude each other; pass one", file=sys.stderr)
+        print("error: --topology (a TPU slice) and --gpu (GPUs) exclude each other; pass one", file=sys.stderr)
         sys.exit(2)
     if _CONFIG.value is None or not (_TOPOLOGY.value or _GPU.value):
         example = "--config experiments/s7b6.py:delta_block --topology v5p:2x2x2 (or --gpu h100)"
@@ -576,7 +599,8 @@ def cli() -> None:
         "config", None, "Experiment file, e.g. experiments/s7b6.py:delta_block (or a shipped one by name: s7b6:delta_block)."
     )
     _TOPOLOGY = flags.DEFINE_string("topology", None, f"TPU topology, e.g. {EXAMPLE_TOPOLOGIES}.")
-    _GPU = flags.DEFINE_string("gpu", None, "One NVIDIA GPU instead of a TPU topology: h100 or h200 (deltares/training/gpu_targets/).")
+    _GPU = flags.DEFINE_string("gpu", None, "NVIDIA GPUs of one host instead of a TPU topology: h100 or h200 "
+                               "(deltares/training/gpu_targets/), one GPU, or NAME:N for N of them (h100:8).")
     _MESH = flags.DEFINE_string(
         "mesh", None, "DATA,FSDP,TENSOR mesh sizes (one may be -1); default config.mesh, else fsdp over all devices."
     )
@@ -584,7 +608,7 @@ def cli() -> None:
     _ESTIMATE = flags.DEFINE_bool(
         "estimate", False, "Also an estimate of the step time. TPU: the TPU compiler's cost model "
         "(deltares.training.step_time: unrolled compiles at a few depths, extrapolated, or with unrolled layers the "
-        "whole model). GPU: a model of the compiled program's kernels (deltares.training.gpu_step_time: bytes at the "
+        "whole model). One GPU: a model of the compiled program's kernels (deltares.training.gpu_step_time: bytes at the "
         "memory bandwidth, FLOPs at the peak, a cost per launch, fitted to H200 measurements). Models, not "
         "measurements.")
     _SEARCH = flags.DEFINE_bool(

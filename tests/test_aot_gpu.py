@@ -1,6 +1,6 @@
-"""The ahead-of-time GPU compile (`python -m deltares.aot --gpu h100|h200`): XLA's CUDA compiler
+"""The ahead-of-time GPU compile (`python -m deltares.aot --gpu h100|h200[:N]`): XLA's CUDA compiler
 (requirements-cuda-compiler.txt, which .ci/run installs in the virtual environment's cuda-compiler/
-folder) builds the real train step for one GPU on this CPU-only machine.
+folder) builds the real train step for one GPU, or sharded over N, on this CPU-only machine.
 
 The compiles run in subprocesses, through `aot.analyze` and the command line, so that the CUDA
 plugin is never registered in the test process beside its CPU backend (and the TPU compiler of
@@ -37,7 +37,8 @@ needs_cuda_compiler = pytest.mark.skipif(
 
 
 # Runs in a subprocess (one process, one GPU compiler): `aot.analyze` for the debug train step with the
-# routing kernel and without, each report printed with what the compiled program's HLO text holds.
+# routing kernel and without, and sharded over 2 GPUs ("fsdp2": --gpu h100:2, XLA's routing), each report
+# printed with what the compiled program's HLO text holds.
 COMPILES = """if True:
     import importlib.machinery, json, sys
     from deltares import aot
@@ -46,19 +47,20 @@ COMPILES = """if True:
     aot.pallas_kernel_calls = lambda text: texts.append(text) or count(text)
     experiment = importlib.machinery.SourceFileLoader("debug", "experiments/debug.py").load_module()
     for label, impl, group in (("pallas", "pallas", 0), ("xla", "xla", 0), ("two_phase", "pallas", 2),
-                               ("auto_bf16", "auto", 0)):
+                               ("auto_bf16", "auto", 0), ("fsdp2", "xla", 0)):
         cfg = experiment.get_config("delta_block")
         cfg.model.residual.impl = impl  # --config.model.residual.impl=...
         cfg.model.residual.group_layers = group
         cfg.model.remat = "full" if group else cfg.model.remat  # two-phase routing: the store-once pass
         if label == "auto_bf16":  # the defaults: "auto" attention (cuDNN in bf16 on a GPU) and "auto" routing
             cfg.model.dtype, cfg.model.attention = "bfloat16", "auto"
-        report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block", gpu="h100",
-                             estimate=label != "two_phase")
+        report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block",
+                             gpu="h100:2" if label == "fsdp2" else "h100", estimate=label not in ("two_phase", "fsdp2"))
         hlo = texts.pop()  # the compiled train step (an out-of-memory report would have none)
         lines = [line for line in hlo.splitlines() if sys.argv[1] in line]
         prefix_calls = sum("depth_route_prefix" in line for line in lines)  # phase one's K-query kernels
         cudnn_calls = hlo.count('custom_call_target="__cudnn$fmha')
+        report["hlo_collectives"] = {op: hlo.count(op) for op in ("all-gather", "reduce-scatter", "all-reduce")}
         print(json.dumps(dict(impl=label, report=report, triton_calls=len(lines), prefix_calls=prefix_calls,
                               cudnn_calls=cudnn_calls)), flush=True)
 """
@@ -67,9 +69,10 @@ COMPILES = """if True:
 @pytest.fixture(scope="module")
 def h100_compiles():
     """{impl: (report, Triton kernel calls in the optimized HLO, those of phase one's kernels, cuDNN attention
-    calls)} for impl pallas and xla, "two_phase" (pallas, residual.group_layers=2, remat full) and
-    "auto_bf16" (the "auto" routing and attention in bf16); with the GPU
-    step-time estimate but for "two_phase"."""
+    calls)} for impl pallas and xla, "two_phase" (pallas, residual.group_layers=2, remat full),
+    "auto_bf16" (the "auto" routing and attention in bf16) and "fsdp2" (xla, on 2 H100s); with the GPU
+    step-time estimate but for "two_phase" and "fsdp2". Each report holds `hlo_collectives`: how often
+    the names of the collectives stand in the compiled program's HLO."""
     proc = subprocess.run([sys.executable, "-c", COMPILES, TRITON_CALL], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -80,7 +83,7 @@ def h100_compiles():
         if line.startswith("{"):
             item = json.loads(line)
             out[item["impl"]] = item["report"], item["triton_calls"], item["prefix_calls"], item["cudnn_calls"]
-    assert set(out) == {"pallas", "xla", "two_phase", "auto_bf16"}, proc.stdout
+    assert set(out) == {"pallas", "xla", "two_phase", "auto_bf16", "fsdp2"}, proc.stdout
     return out
 
 
@@ -160,6 +163,27 @@ def test_gpu_estimate_reads_every_kernel_of_the_step(h100_compiles):
 
 
 @needs_cuda_compiler
+def test_two_h100s_hold_half_the_state_each(h100_compiles):
+    """--gpu h100:2: the step compiled for 2 GPUs, sharded over the experiment's mesh (FSDP over all devices).
+    Each device holds half the train state: against the parameters counted from the abstract state (float32
+    parameters and AdamW's two moments, 12 bytes a parameter) and against the one-GPU compile of the same
+    step; the compiled program gathers parameters and reduces gradients across the GPUs."""
+    one, two = h100_compiles["xla"][0], h100_compiles["fsdp2"][0]
+    assert two["devices"] == 2 and two["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1} and two["gpu"] == "h100"
+    assert two["params"] == one["params"] and two["global_batch"] == one["global_batch"] == 4
+    batch_bytes = 4 * (32 + 1) * 4  # int32 tokens of the global batch
+    assert one["argument_bytes"] == pytest.approx(12 * one["params"] + batch_bytes, rel=0.01)
+    assert two["argument_bytes"] == pytest.approx(one["argument_bytes"] / 2, rel=0.02)
+    assert one["hlo_collectives"] == {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+    assert two["hlo_collectives"]["all-gather"] > 0
+    assert two["hlo_collectives"]["reduce-scatter"] + two["hlo_collectives"]["all-reduce"] > 0
+    assert two["flops_per_step"] == pytest.approx(one["flops_per_step"]) and two["fits"] is True
+    assert two["flops_per_device"] == pytest.approx(one["flops_per_step"] / 2)
+    assert "estimate" not in two
+    assert "gpu h100: 2 x NVIDIA H100 80GB HBM3, mesh data=1 fsdp=2 tensor=1" in aot.format_report(two)
+
+
+@needs_cuda_compiler
 def test_command_line_report_for_one_h200():
     proc = run_module("deltares.aot", "--config", "experiments/debug.py:baseline", "--gpu", "h200", "--estimate",
                       timeout=300)
@@ -196,7 +220,8 @@ def test_plugin_kept_apart_is_registered_after_jax_started():
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (("--gpu", "h300"), "choose one of h100, h200"),
+        (("--gpu", "h300:8"), "choose one of h100, h200"),
+        (("--gpu", "h100:2", "--estimate"), "models no traffic between GPUs"),
         (("--gpu", "h100", "--topology", "v5e:2x2"), "exclude each other"),
     ],
 )
@@ -206,6 +231,15 @@ def test_bad_gpu_is_one_error_line(flags, words):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and words in errors[0], proc.stderr
+
+
+def test_gpu_count_is_parsed_and_bad_forms_are_refused():
+    assert gpu_aot.parse_gpu("h100") == ("h100", 1) and gpu_aot.parse_gpu(" H200:8 ") == ("h200", 8)
+    for bad in ("h100:", "h100:0", "h100:-1", "h100:x", "h100:2:2", "h100:1.5"):
+        with pytest.raises(ValueError, match="NAME:N with N a positive number of GPUs"):
+            gpu_aot.parse_gpu(bad)
+    with pytest.raises(ValueError, match="choose one of h100, h200"):
+        gpu_aot.parse_gpu("a100:8")
 
 
 def test_unknown_gpu_name_is_a_value_error():

@@ -1,11 +1,14 @@
-"""Compile-only NVIDIA GPU devices (`python -m deltares.aot --gpu h100|h200`): no GPU needed.
+"""Compile-only NVIDIA GPU devices (`python -m deltares.aot --gpu h100|h200[:N]`): no GPU needed.
 
 XLA's CUDA compiler is the PJRT plugin of JAX's CUDA build (the wheel `jax-cuda12-pjrt`, which
 `jax[cuda12]` installs). Given a description of the GPU, XLA's `GpuTargetConfigProto` in text
 format (shipped in `deltares/training/gpu_targets/NAME.txtpb`, one per supported GPU), it makes
 compile-only devices (`jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`)
 and compiles for them on a CPU-only machine: GPU code, Triton (Pallas GPU) kernels included,
-and `compiled.memory_analysis()`.
+and `compiled.memory_analysis()`. The plugin's topology string is
+"<partitions>x<hosts per partition>x<devices per host>"; `NAME:N` asks for "1x1xN", N GPUs of one
+host, as one process of the trainer sees a node's GPUs: a program sharded over them compiles with
+its collectives (NCCL) and each device's own memory.
 
 Where the plugin lives: wherever `jax` finds it (`pip install "jax[cuda12]==<jax version>"`, or
 `pip install "deltares[gpu]"`), or in a folder of its own, out of the way of every other JAX
@@ -41,6 +44,18 @@ def target_config(name: str) -> str:
         raise ValueError(f"--gpu={name!r} is not a GPU of deltares/training/gpu_targets; choose one of {', '.join(GPUS)}")
     with open(os.path.join(TARGETS_DIR, f"{key}.txtpb"), encoding="utf-8") as f:
         return f.read()
+
+
+def parse_gpu(spec: str) -> tuple[str, int]:
+    """'h100' -> ('h100', 1), 'h200:8' -> ('h200', 8): a GPU of deltares/training/gpu_targets and how many;
+    ValueError saying the form for anything else."""
+    name, colon, count = spec.strip().lower().partition(":")
+    target_config(name)  # ValueError for a GPU not shipped
+    if not colon:
+        return name, 1
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--gpu={spec!r}: expected NAME or NAME:N with N a positive number of GPUs, e.g. h100:8")
+    return name, int(count)
 
 
 def device_memory_bytes(name: str) -> int:
@@ -125,8 +140,8 @@ def _cudnn_of_target(config: str) -> None:
     fused.is_cuda_compute_capability_equal = lambda text: tuple(int(x) for x in text.split(".")) == capability
 
 
-def gpu_devices(name: str) -> list:
-    """Compile-only devices of one GPU `name` ("h100" or "h200"), for a `jax.sharding.Mesh`.
+def gpu_devices(name: str, count: int = 1) -> list:
+    """Compile-only devices of `count` GPUs `name` ("h100" or "h200") of one host, for a `jax.sharding.Mesh`.
     ValueError for another name; CudaCompilerMissing (saying what to install) without the plugin.
     In this process cuDNN's fused attention then traces for that GPU (`_cudnn_of_target`)."""
     config = target_config(name)
@@ -135,7 +150,7 @@ def gpu_devices(name: str) -> list:
     from jax.experimental import topologies
 
     def make():
-        return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1").devices)
+        return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology=f"1x1x{count}").devices)
 
     try:
         return make()

@@ -393,7 +393,7 @@ def _json_lines(raw, field: str, path: str) -> Iterator[list]:
                             f"{', '.join(record)}")
         value = record[field]
         if value is not None and not isinstance(value, str):
-            raise DataError(f"{path} line {number}: field {field!r} holds a {type(value).__name__}, not text")
+            raise DataError(f"{path} line {number}: field {field!r} holds {json.dumps(value)[:40]}, not text")
         batch.append(value)
         if len(batch) == BATCH_RECORDS:
             yield batch

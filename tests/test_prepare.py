@@ -445,3 +445,19 @@ def test_bad_records_are_one_data_error_naming_the_file(tmp_path, bad, content, 
     with pytest.raises(DataError, match=message):
         prepare(f"{good},{path}", "bytes", str(tmp_path / "ds"), val_fraction=0.2, progress=False)
     assert not (tmp_path / "ds").exists()
+
+
+def test_record_files_on_a_bucket(fake_bucket, tmp_path):
+    """Parquet (cut into runs of row groups, read by byte ranges) and .jsonl.zst files on a gs:// bucket."""
+    folder = tmp_path / "bucket" / "corpus"
+    folder.mkdir()
+    docs = make_docs(30, 5, "bucket")
+    write_records(folder / "a.parquet", docs[:15], row_group_size=4)
+    write_records(folder / "b.jsonl.zst", docs[15:])
+    prepare("gs://corpus/*.parquet,gs://corpus/b.jsonl.zst", "bytes", str(tmp_path / "ds"), val_fraction=0.2,
+            progress=False, unit_bytes=1000)
+    units = json.loads((tmp_path / "ds" / "plan.json").read_text())["units"]
+    assert [u["path"].startswith("gs://") and u["path"].split("/corpus/")[1] for u in units] == [
+        "a.parquet", "a.parquet", "b.jsonl.zst"]
+    for split, want in expected_bytes(docs, 0.2).items():
+        assert stream_bytes(tmp_path / "ds", split) == want

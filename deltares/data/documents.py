@@ -385,9 +385,11 @@ def _json_lines(raw, field: str, path: str) -> Iterator[list]:
         try:
             record = json.loads(line)
         except ValueError as err:  # not JSON, or not UTF-8
-            raise DataError(f"{path} line {number} is not a JSON record: {err}") from None
+            raise DataError(f"{path} line {number} is not a JSON record ({err}); JSON Lines files hold one "
+                            "object per line") from None
         if not isinstance(record, dict):
-            raise DataError(f"{path} line {number} is not a JSON object but a {type(record).__name__}")
+            raise DataError(f"{path} line {number} is not a JSON object but a {type(record).__name__}; JSON Lines "
+                            "files hold one object per line")
         if field not in record:
             raise DataError(f"{path} line {number} has no field {field!r} (--text_field); its fields: "
                             f"{', '.join(record)}")

@@ -291,8 +291,9 @@ def _finalize(out: epath.Path, plan: dict, tokenizer, done: dict, n_units: int) 
     if not splits["train"]["documents"] or not splits["val"]["documents"]:
         raise DataError(
             f"source {plan['source']!r} gave {splits['train']['documents']} training and "
-            f"{splits['val']['documents']} validation documents; need at least one of each (documents are "
-            "separated by blank lines; the validation split holds about val_fraction of them)"
+            f"{splits['val']['documents']} validation documents; need at least one of each (a document is "
+            "the text between blank lines, or a non-empty record; the validation split holds about val_fraction "
+            "of them)"
         )
     with (out / "unigram.npy").open("wb") as f:
         np.save(f, unigram)
@@ -468,7 +469,7 @@ def cli() -> None:
                                       "Face) holding its text.")
     integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
     _MAX_DOCS = integer("max_docs", None, "Keep the first N documents of the source (held-out ones included; a "
-                        "Hugging Face record is a document).", AT_LEAST_1)
+                        "non-empty record is a document).", AT_LEAST_1)
     _WORKERS = integer("workers", 1, "Processes tokenizing units at once.", AT_LEAST_1)
     _SHARD = integer("shard", 0, "This host's share of the units: I of --num_shards (less than it).", NON_NEGATIVE)
     _NUM_SHARDS = integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).", AT_LEAST_1)

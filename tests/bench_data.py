@@ -5,17 +5,17 @@
     python -m tests.bench_data --sizes 20 --workers 1 --read_seconds 5   # a quick look
 
 The text is built from the corpora (`*.txt.gz`): their paragraphs repeated and shuffled, one
-document of 50 MB without blank lines (5 MB below 500 MB of text) at the middle of the first
-file, split over files of 64 MB. The records (`--formats parquet,jsonl.zst`) are documents of
-the same paragraphs (1 to 8 of them, a few empty records among them, and one long document in the
-first file), in 40 files (Parquet in row groups of 256 records; JSON Lines compressed with zstd).
-Each prepare runs as its own process (`deltares.data.prepare`,
-the GPT-2 tokenizer; two shards are two processes, one after the other, into one directory) and is
-measured from outside: wall time, CPU seconds of the process and its
-workers, and peak resident memory (the largest sum over the process tree, sampled every 50 ms).
-A prepare of records runs under `tests.read_counts`, which counts every record its reader hands on
-in every process: the table says whether each record of the source was read exactly once, and
-whether the token files are identical to those of the first run of that format.
+document without blank lines (50 MB; 5 MB below 500 MB of text, a tenth of it below 50 MB) at the
+middle of the first file, split over files of 64 MB. The records (`--formats parquet,jsonl.zst`)
+are documents of the same paragraphs (1 to 8 of them, every 50th record empty, one long document
+in the first file), in 40 files (Parquet in row groups of 256 records; JSON Lines compressed with
+zstd). Each prepare runs as its own process (`deltares.data.prepare`, the GPT-2 tokenizer; two
+shards are two processes, one after the other, into one directory) and is measured from outside:
+wall time, CPU seconds of the process and its workers, and peak resident memory (the largest sum
+over the process tree, sampled every 50 ms). A prepare of records runs under `tests.read_counts`,
+which counts every record its reader hands on in every process: the table says whether each
+record of the source was read exactly once, and whether the token files are identical to those of
+the first run of that source.
 Reading: windows of 2048 + 1 tokens in batches of 32 through the trainer's pipeline (shuffled,
 prefetched), from the prepared dataset on disk and from a copy served as `gs://` by fsspec's local
 filesystem with 1 ms of latency added to every request; tokens per second over `--read_seconds`.
@@ -59,7 +59,7 @@ def build_text(corpora: str, n_bytes: int, out_dir: str, seed: int = 0) -> int:
     long document without blank lines. Returns the bytes written."""
     paragraphs = corpus_paragraphs(corpora)
     rng = random.Random(seed)
-    long_bytes = (50 << 20) if n_bytes >= (500 << 20) else (5 << 20)
+    long_bytes = (50 << 20) if n_bytes >= (500 << 20) else min(5 << 20, n_bytes // 10)
     os.makedirs(out_dir, exist_ok=True)
     written, index, long_done = 0, 0, False
     while written < n_bytes:
@@ -109,7 +109,8 @@ def build_records(corpora: str, n_bytes: int, out_dir: str, fmt: str, seed: int 
             texts.append("\n\n".join(long))
             size += length
         while size < n_bytes // RECORD_FILES:
-            text = "" if len(texts) % 50 == 49 else "\n\n".join(rng.choice(paragraphs) for _ in range(rng.randint(1, 8)))
+            empty = len(texts) % 50 == 49
+            text = "" if empty else "\n\n".join(rng.choice(paragraphs) for _ in range(rng.randint(1, 8)))
             texts.append(text)
             size += len(text.encode("utf-8"))
         path = os.path.join(out_dir, f"part{index:04d}.{fmt}")
@@ -245,8 +246,8 @@ def main() -> None:
                 for workers, shards in runs:
                     out = os.path.join(tmp, f"ds{size}_{fmt}_{workers}_{shards}")
                     counts = None if digests is None else out + ".counts"
-                    print(f"preparing {n_bytes / 2**20:.0f} MB of {fmt} with {workers} worker(s), {shards} shard(s) ...",
-                          file=sys.stderr, flush=True)
+                    print(f"preparing {n_bytes / 2**20:.0f} MB of {fmt} with {workers} worker(s), {shards} "
+                          "shard(s) ...", file=sys.stderr, flush=True)
                     m = prepare_run(os.path.join(src_dir, SOURCES[fmt]), out, workers, shards, counts, env)
                     with open(os.path.join(out, "meta.json")) as f:
                         meta = json.load(f)

@@ -422,7 +422,8 @@ def test_hf_dataset_is_planned_by_its_files(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("bad, content, message", [
-    ("bad.jsonl", b'{"text": "a"}\n{"body": "b"}\n', r"bad.jsonl line 2 has no field 'text' \(--text_field\); its fields: body"),
+    ("bad.jsonl", b'{"text": "a"}\n{"body": "b"}\n',
+     r"bad.jsonl line 2 has no field 'text' \(--text_field\); its fields: body"),
     ("bad.parquet", None, r"bad.parquet has no field 'text' \(--text_field\); its fields: id, body"),
     ("bad.json", b'{"text": "a"}\n\n{"text": 3}\n', r"bad.json line 3: field 'text' holds 3, not text"),
     ("bad.jsonl.gz", b'{"text": "a"}\n{"text": "b\n', r"bad.jsonl.gz line 2 is not a JSON record"),

@@ -284,7 +284,7 @@ def count_documents(units: list[dict], max_docs: int, field: str = "text") -> li
     return limits
 
 
-# ----------------------------------------------------------------------------- records: Parquet, JSON Lines, Hugging Face
+# ----------------------------------------------------------------------------- records (Parquet, JSON Lines, hf:)
 
 RECORD_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 BATCH_RECORDS = 1024  # records decoded at a time (Parquet and Arrow batches, JSON lines)

@@ -82,8 +82,8 @@ def make_plan(source: str, tokenizer_spec: str, val_fraction: float, *, hf_confi
                 max_docs=max_docs)
     if source.startswith("hf:"):
         plan["hf"] = dict(config=hf_config, split=hf_split)
-        units = [u for path in hf_files(source[3:], hf_config, hf_split) for u in record_units(path, text_field,
-                                                                                                unit_bytes)]
+        files = hf_files(source[3:], hf_config, hf_split)
+        units = [unit for path in files for unit in record_units(path, text_field, unit_bytes)]
     else:
         units = plan_units(source, unit_bytes, text_field)
     if any(is_records(u["path"]) for u in units):

@@ -323,7 +323,7 @@ def test_prepare_local_hf_dataset(tmp_path, hf_records, layout):
     assert meta["source"] == f"hf:{src}"
 
     with pytest.raises(DataError, match="body"):
-        prepare(f"hf:{src}", "bytes", str(tmp_path / "ds2"), val_fraction=0.25, hf_field="body", progress=False)
+        prepare(f"hf:{src}", "bytes", str(tmp_path / "ds2"), val_fraction=0.25, text_field="body", progress=False)
 
 
 # ----------------------------------------------------------------------------- grain pipeline

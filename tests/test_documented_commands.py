@@ -30,6 +30,7 @@ import dataclasses
 import glob
 import gzip
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -211,7 +212,7 @@ STAND_INS = (
             "a prepared FineWeb-Edu: the demo run's prepared Moby-Dick (the dry runs do not read it)"),
     StandIn(r"hf:HuggingFaceFW/fineweb-edu", "hf:{hf_dataset}",
             "the Hub needs the network: a local Hugging Face dataset (datasets.save_to_disk) of 120 documents, "
-            "which deltares.data.prepare streams the same way"),
+            "which deltares.data.prepare reads by its data files as it reads a Hub dataset's"),
     StandIn(r"gs://(BUCKET|my-bucket)/", "{bucket}/", "no GCS here: a local directory (the dry runs only print it)"),
     StandIn(r"'texts/\*\.txt\.gz'", "'{texts}/*.txt.gz'", "your text files: a gzipped excerpt of Moby-Dick"),
     StandIn(r"\bsome_text\.txt\b", "{texts}/some_text.txt", "a plain text file: an excerpt of Moby-Dick"),
@@ -331,8 +332,9 @@ RULES = (
     Rule("GPU model calibration", r"^python -m tests\.gpu_calibration\b", "run",
          extra=("--rows", "s220m baseline attn=cudnn"),
          reason="one row, compiled for the H200 in seconds (all 26 take about 10 minutes)"),
-    Rule("data benchmark", r"^python -m tests\.bench_data\b", "run", extra=("--sizes", "1", "--read_seconds", "1"),
-         reason="1 MB of text (the full benchmark prepares 1.1 GB)"),
+    Rule("data benchmark", r"^python -m tests\.bench_data\b", "run",
+         extra=("--sizes", "1", "--read_seconds", "1", "--workers", "2", "--shards", "1"),
+         reason="1 MB of each format, 2 workers (the full benchmark prepares 1.1 GB of each in 4 ways)"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu|slurm)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
     Rule("GPU measurement script", r"^(bash )?launch/gpu_bench\.sh ", "launch", check="launch",
@@ -433,6 +435,16 @@ def workspace(tmp_path_factory):
 
     paragraphs = [p for p in _excerpt(moby, 400_000).split("\n\n") if len(p) > 200][:120]
     datasets.Dataset.from_dict({"text": paragraphs}).save_to_disk(str(ws / "hf_fineweb"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(ws / "corpus")  # records as published: Parquet files, and JSON Lines in zstd on the "bucket"
+    os.makedirs(ws / "bucket" / "corpus")
+    for i in range(2):
+        part = paragraphs[i * 60 : (i + 1) * 60]
+        pq.write_table(pa.table({"text": part}), str(ws / "corpus" / f"part{i}.parquet"))
+        with pa.CompressedOutputStream(str(ws / "bucket" / "corpus" / f"part{i}.jsonl.zst"), "zstd") as f:
+            f.write("".join(json.dumps({"text": p}) + "\n" for p in part).encode())
     paths = dict(
         qwen3=os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny"),
         tasks=os.path.join(ROOT, "tests", "lm_eval_tasks"),

@@ -10,6 +10,7 @@ concatenation of documents, NumPy bincounts.
 import gzip
 import json
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from deltares.data.documents import DataError, builtin_path
 from deltares.data.prepare import prepare
 from deltares.data.tokenizer import load_tokenizer
 
+import read_counts
 from debug_runs import tree_digest
 from test_data import WORDS, by_hash, make_docs, write_corpus
 
@@ -295,3 +297,169 @@ def test_bad_input_is_a_data_error_naming_the_file(tmp_path, damage):
 def test_bucket_that_does_not_exist(fake_bucket):
     with pytest.raises(DataError, match="no meta.json"):
         TokenData("gs://nowhere/ds")
+
+
+# ----------------------------------------------------------------------------- records: Parquet, JSON Lines, hf:
+
+
+def write_records(path, texts, row_group_size=None, field="text"):
+    """Records of `texts` (None: a null) as Parquet (`row_group_size` rows per row group) or JSON Lines
+    (plain, .gz or .zst, by the name), with an id beside the text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(path)
+    if path.endswith(".parquet"):
+        table = pa.table({"id": list(range(len(texts))), field: pa.array(texts, pa.string())})
+        pq.write_table(table, path, row_group_size=row_group_size)
+        return
+    lines = "".join(json.dumps({"id": i, field: t}) + "\n" for i, t in enumerate(texts)).encode()
+    if path.endswith(".zst"):
+        with pa.CompressedOutputStream(path, "zstd") as f:
+            f.write(lines)
+    elif path.endswith(".gz"):
+        with gzip.open(path, "wb") as f:
+            f.write(lines)
+    else:
+        with open(path, "wb") as f:
+            f.write(lines)
+
+
+RECORD_KINDS = [".parquet"] * 20 + [".jsonl.zst"] * 16 + [".jsonl.gz", ".json.gz", ".jsonl", ".json"]
+
+
+def record_corpus(folder, n_files=40):
+    """`n_files` small record files of every kind (Parquet ones of several row groups), and the source
+    that lists them: (source, every record in source order, empty ones included)."""
+    folder.mkdir()
+    records = []
+    for i, suffix in enumerate(RECORD_KINDS[:n_files]):
+        texts = make_docs(12, 100 + i, f"r{i}")
+        texts[3], texts[7] = ("", None) if i % 2 else ("  \n ", "")  # empty records: skipped
+        write_records(folder / f"r{i:02d}{suffix}", texts, row_group_size=4)
+        records.append((suffix, texts))
+    order = [".parquet", ".jsonl.zst", ".jsonl.gz", ".json.gz", ".jsonl", ".json"]
+    source = ",".join(str(folder / f"*{suffix}") for suffix in order)
+    in_order = [t for suffix in order for s, texts in records if s == suffix for t in texts]
+    return source, in_order
+
+
+def expected_bytes(docs, val_fraction):
+    train, val = by_hash(docs, val_fraction)
+    return {"train": b"".join(d.encode() + b"\xff" for d in train), "val": b"".join(d.encode() + b"\xff" for d in val)}
+
+
+def stream_bytes(out, split):
+    got = stream(out, split)
+    return bytes(np.where(got == 256, 255, got).astype(np.uint8))
+
+
+def test_record_files_are_read_once_whatever_the_workers_and_shards(tmp_path, monkeypatch, capsys):
+    """40 Parquet and JSON Lines (.zst, .gz, plain) files, the Parquet ones cut into runs of row groups:
+    with 1 or 2 workers, 1 or 2 shards, each record is read exactly once (counted in the reader, in every
+    process) and the token stream is the records in source order, empty ones skipped."""
+    source, records = record_corpus(tmp_path / "corpus")
+    docs = [t for t in records if t and t.strip()]
+    kw = dict(val_fraction=0.2, progress=False, unit_bytes=1000)
+    want = expected_bytes(docs, 0.2)
+    runs = {}
+    for name, calls in (("one", [dict()]), ("two", [dict(workers=2)]),
+                        ("hosts", [dict(shard=1, num_shards=2), dict(shard=0, num_shards=2)])):
+        counts = tmp_path / f"{name}.counts"
+        with monkeypatch.context() as patch:
+            read_counts.install(str(counts), patch.setattr)
+            patch.setenv(read_counts.ENV, str(counts))
+            for call in calls:
+                capsys.readouterr()
+                runs[name] = prepare(source, "bytes", str(tmp_path / name), **kw, **call)
+        assert read_counts.read_counts(str(counts)) == Counter(map(read_counts.digest, records)), name
+        for split in ("train", "val"):
+            assert stream_bytes(tmp_path / name, split) == want[split], (name, split)
+    assert runs["one"] == runs["two"] == runs["hosts"]
+    assert {p.suffix for split in ("train", "val") for p in (tmp_path / "one" / split).iterdir()} == {".bin"}  # no .idx
+    units = json.loads((tmp_path / "one" / "plan.json").read_text())["units"]
+    parquet = [u for u in units if u["path"].endswith(".parquet")]
+    assert len(units) == runs["one"]["units"] and len(parquet) > 20  # large Parquet files: runs of row groups
+    assert [g for u in parquet if u["path"] == parquet[0]["path"] for g in u["row_groups"]] == [0, 2, 2, 3]
+    n_shard_1 = len(range(1, len(units), 2))  # the second host found the first's units done
+    assert f"resuming {tmp_path / 'hosts'}: {n_shard_1} of {len(units)} units already done" in capsys.readouterr().err
+
+    few = prepare(source, "bytes", str(tmp_path / "few"), max_docs=250, **kw)  # documents, not records
+    assert stream_bytes(tmp_path / "few", "train") + stream_bytes(tmp_path / "few", "val") == b"".join(
+        expected_bytes(docs[:250], 0.2).values())
+    assert few["splits"]["train"]["documents"] + few["splits"]["val"]["documents"] == 250
+
+
+def test_hf_dataset_is_planned_by_its_files(tmp_path, monkeypatch):
+    """`hf:NAME` is read file by file as the dataset lists its data files (here a local folder of the
+    Hub's layout, resolved by datasets.load_dataset_builder as a Hub dataset is): one unit per file,
+    every record read once, never streamed and skipped through."""
+    datasets = pytest.importorskip("datasets")
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    texts = [make_docs(15, 200 + i, f"hf{i}") for i in range(3)]
+    for i, part in enumerate(texts):
+        write_records(hub / "data" / f"train-{i:05d}-of-00003.parquet", part, field="content")
+    write_records(hub / "data" / "test-00000-of-00001.parquet", make_docs(5, 300, "test"), field="content")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an hf: dataset is read by its files, not streamed")
+
+    monkeypatch.setattr(datasets, "load_dataset", refused)
+    monkeypatch.setattr(datasets.IterableDataset, "skip", refused)
+    counts = tmp_path / "counts"
+    read_counts.install(str(counts), monkeypatch.setattr)
+    monkeypatch.setenv(read_counts.ENV, str(counts))
+    meta = prepare(f"hf:{hub}", "bytes", str(tmp_path / "ds"), val_fraction=0.2, text_field="content",
+                   progress=False)
+    plan = json.loads((tmp_path / "ds" / "plan.json").read_text())
+    assert plan["units"] == [{"path": str(hub / "data" / f"train-{i:05d}-of-00003.parquet"), "row_groups": [0, 1]}
+                             for i in range(3)]
+    assert read_counts.read_counts(str(counts)) == Counter(read_counts.digest(t) for part in texts for t in part)
+    docs = [t for part in texts for t in part]
+    assert meta["units"] == 3 and stream_bytes(tmp_path / "ds", "val") == expected_bytes(docs, 0.2)["val"]
+    with pytest.raises(DataError, match="no split 'dev'.*train"):
+        prepare(f"hf:{hub}", "bytes", str(tmp_path / "ds2"), hf_split="dev", text_field="content", progress=False)
+
+
+@pytest.mark.parametrize("bad, content, message", [
+    ("bad.jsonl", b'{"text": "a"}\n{"body": "b"}\n',
+     r"bad.jsonl line 2 has no field 'text' \(--text_field\); its fields: body"),
+    ("bad.parquet", None, r"bad.parquet has no field 'text' \(--text_field\); its fields: id, body"),
+    ("bad.json", b'{"text": "a"}\n\n{"text": 3}\n', r"bad.json line 3: field 'text' holds 3, not text"),
+    ("bad.jsonl.gz", b'{"text": "a"}\n{"text": "b\n', r"bad.jsonl.gz line 2 is not a JSON record"),
+    ("bad.jsonl", b'["a", "b"]\n', r"bad.jsonl line 1 is not a JSON object but a list"),
+    ("bad.jsonl.zst", b"not zstd" * 20, r"bad.jsonl.zst is not a readable JSON Lines file: ZSTD"),
+    ("bad.json.gz", b"not gzip" * 20, r"bad.json.gz is not a readable JSON Lines file"),
+    ("bad.parquet", b"PAR1 not parquet" * 20, r"bad.parquet is not a readable Parquet file"),
+])
+def test_bad_records_are_one_data_error_naming_the_file(tmp_path, bad, content, message):
+    good = tmp_path / "good.jsonl"
+    write_records(good, make_docs(5, 1, "good"))
+    path = tmp_path / bad
+    if content is None:
+        write_records(path, ["x", "y"], field="body")
+    elif bad.endswith(".gz") and content.startswith(b"{"):
+        with gzip.open(path, "wb") as f:
+            f.write(content)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        prepare(f"{good},{path}", "bytes", str(tmp_path / "ds"), val_fraction=0.2, progress=False)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_record_files_on_a_bucket(fake_bucket, tmp_path):
+    """Parquet (cut into runs of row groups, read by byte ranges) and .jsonl.zst files on a gs:// bucket."""
+    folder = tmp_path / "bucket" / "corpus"
+    folder.mkdir()
+    docs = make_docs(30, 5, "bucket")
+    write_records(folder / "a.parquet", docs[:15], row_group_size=4)
+    write_records(folder / "b.jsonl.zst", docs[15:])
+    prepare("gs://corpus/*.parquet,gs://corpus/b.jsonl.zst", "bytes", str(tmp_path / "ds"), val_fraction=0.2,
+            progress=False, unit_bytes=1000)
+    units = json.loads((tmp_path / "ds" / "plan.json").read_text())["units"]
+    assert [u["path"].startswith("gs://") and u["path"].split("/corpus/")[1] for u in units] == [
+        "a.parquet", "a.parquet", "b.jsonl.zst"]
+    for split, want in expected_bytes(docs, 0.2).items():
+        assert stream_bytes(tmp_path / "ds", split) == want

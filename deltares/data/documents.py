@@ -1,29 +1,34 @@
 """Documents of a corpus, read lazily, in units that workers and hosts can tokenize independently.
 
 A text source (files, `.gz`, globs, comma-separated, on a disk or a bucket; `builtin` is Moby-Dick) is cut into
-documents at blank lines. A Hugging Face dataset (`hf:NAME` or a local dataset directory) gives
-one document per record. The source is planned as a list of units (`plan_units`): a plain text
-file is cut into pieces of about `unit_bytes` at blank lines (so no document spans two units), a
-gzipped file is one unit, and a Hugging Face dataset is read in ranges of records. Units are
-numbered in source order; the prepared token stream is the units' documents in that order,
-whoever tokenized them.
+documents at blank lines. Record files (Parquet, JSON Lines plain or `.gz`/`.zst`, the same ways)
+and a Hugging Face dataset (`hf:NAME`, or a local dataset directory) give one document per record:
+the text of its `--text_field`, empty records skipped. The source is planned as a list of units
+(`plan_units`, `hf_files`): a plain text file is cut into pieces of about `unit_bytes` at blank
+lines (so no document spans two units), a gzipped text file and a JSON Lines file are one unit each,
+a Parquet file is one unit or, when large, runs of its row groups (read from its footer), and a
+Hugging Face dataset is planned by its own data files in the same way. No unit reads another's
+records. Units are numbered in source order; the prepared token stream is the units' documents in
+that order, whoever tokenized them.
 
 A document is read line by line and handed on in pieces of about `PIECE_BYTES`, cut after a
 newline that a non-space character follows, and a line longer than that before a space that
 precedes a letter (where byte-level BPE pre-tokenizers always start a new token, so the pieces
 encode to the ids of the whole; tests/test_prepare.py checks it), so a book without blank lines
-is never encoded whole. Whether a document is held out for
+is never encoded whole; a record's text is cut at the same places. Whether a document is held out for
 validation is decided by a hash of its first `HASH_BYTES` bytes: independent of file order and of
 how the source is split, and one-document-per-file corpora get a validation split too.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import hashlib
 import io
 import itertools
+import json
 import os
 import re
 import zlib
@@ -35,8 +40,7 @@ BUILTIN = "builtin"
 PIECE_BYTES = 256 << 10  # a longer document is encoded in pieces of about this size (a 1 MB text costs the
 # GPT-2 tokenizer about 100 MB while it is encoded, 256 KB about 7 MB)
 HASH_BYTES = 1 << 16  # the validation split hashes this much of each document
-UNIT_BYTES = 64 << 20  # plain text files are cut into units of about this size
-HF_RECORDS_PER_UNIT = 50_000
+UNIT_BYTES = 64 << 20  # plain text files (and large Parquet files) are cut into units of about this size
 _BOUNDARY = re.compile(rb"\n[ \t\r\f\v]*\n")  # a blank line between documents
 # Where a text may be cut so that its pieces encode to the ids of the whole: after a newline that a
 # non-space character follows, or (within a line) before a space that follows a non-space character
@@ -86,7 +90,7 @@ def _size(path: str) -> int:
 
 
 def text_paths(source: str) -> list[str]:
-    """The files of a text source (local or on a bucket): paths and globs, comma-separated."""
+    """The files of a source (text or records, local or on a bucket): paths and globs, comma-separated."""
     paths: list[str] = []
     for pattern in source.split(","):
         pattern = pattern.strip()
@@ -120,13 +124,17 @@ def held_out(text: str, val_fraction: float) -> bool:
 # ----------------------------------------------------------------------------- planning
 
 
-def plan_units(source: str, unit_bytes: int = UNIT_BYTES) -> list[dict]:
-    """The units of a local text source, in source order: {path, start, end} byte ranges of plain
-    files cut at blank lines, and {path} for a whole (gzipped) file."""
+def plan_units(source: str, unit_bytes: int = UNIT_BYTES, field: str = "text") -> list[dict]:
+    """The units of a source of files, in source order: {path, start, end} byte ranges of plain text
+    files cut at blank lines, {path} for a whole file (gzipped text, JSON Lines), and record files'
+    units (`record_units`, `field` their text's)."""
     if source == BUILTIN:  # resolved when read: the plan holds no path of this installation
         return [{"path": BUILTIN, "start": 0, "end": None}]
     units = []
     for path in (p if "://" in p else os.path.abspath(p) for p in text_paths(source)):
+        if is_records(path):
+            units += record_units(path, field, unit_bytes)
+            continue
         size = _size(path)
         if path.endswith(".gz") or size <= unit_bytes:
             units.append({"path": path, "start": 0, "end": None})
@@ -259,49 +267,196 @@ def read_documents(source: str) -> list[str]:
     return [doc for path in text_paths(source) for doc in split_documents(read_text(path))]
 
 
-def count_documents(units: list[dict], max_docs: int) -> list[int]:
+def count_documents(units: list[dict], max_docs: int, field: str = "text") -> list[int]:
     """How many documents each unit contributes to the first `max_docs` of the source (a
-    counting pass that reads the text but tokenizes nothing)."""
+    counting pass that reads the text, or the records' text column, but tokenizes nothing)."""
     limits, left = [], max_docs
     for unit in units:
         if left <= 0:
             limits.append(0)
             continue
-        n = sum(1 for piece in text_pieces(unit, 0.0, left) if piece.last)
+        if is_records(unit["path"]):
+            n = sum(1 for _ in itertools.islice(record_texts(unit, field), left))
+        else:
+            n = sum(1 for piece in text_pieces(unit, 0.0, left) if piece.last)
         limits.append(n)
         left -= n
     return limits
 
 
-# ----------------------------------------------------------------------------- Hugging Face datasets
+# ----------------------------------------------------------------------------- records (Parquet, JSON Lines, hf:)
+
+RECORD_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+BATCH_RECORDS = 1024  # records decoded at a time (Parquet and Arrow batches, JSON lines)
 
 
-def hf_dataset(name: str, config: str | None, split: str):
-    """A Hugging Face dataset: a local directory (datasets.save_to_disk) read as is, else streamed."""
-    import datasets  # optional dependency: only this source needs it
-
-    if os.path.isdir(name) and os.path.exists(os.path.join(name, "state.json")):
-        ds = datasets.load_from_disk(name)
-        return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-    return datasets.load_dataset(name, config, split=split, streaming=True)
+def is_records(path: str) -> bool:
+    """Whether a file holds records, one document each (Parquet, JSON Lines, the Arrow files of a
+    saved Hugging Face dataset), rather than text cut at blank lines."""
+    return path.endswith(RECORD_SUFFIXES)
 
 
-def hf_pieces(ds, field: str, start: int, stop: int, val_fraction: float, name: str) -> Iterator[Piece]:
-    """The documents of records [start, stop) of a Hugging Face dataset, each record one document
-    (empty ones skipped), in pieces."""
-    records = ds.select(range(start, min(stop, len(ds)))) if hasattr(ds, "select") and hasattr(ds, "__len__") \
-        else itertools.islice(ds.skip(start) if start else ds, stop - start)
-    for record in records:
-        if field not in record:
-            raise DataError(f"dataset {name!r} has no text field {field!r}; fields: {sorted(record)}")
-        text = record[field]
-        if not text or not text.strip():
+def _pyarrow():
+    try:
+        import pyarrow  # noqa: PLC0415 - record sources only (installed with datasets)
+        import pyarrow.parquet  # noqa: F401, PLC0415
+    except ImportError:
+        raise DataError("Parquet and JSON Lines sources need pyarrow (pip install pyarrow)") from None
+    return pyarrow
+
+
+def record_units(path: str, field: str, unit_bytes: int = UNIT_BYTES) -> list[dict]:
+    """The units of a record file: a JSON Lines or Arrow file whole; a Parquet file whole, or, when its
+    text column holds more than `unit_bytes` in several row groups, runs of row groups of about
+    `unit_bytes` each ({path, row_groups: [first, stop]}: read from the file's footer)."""
+    if not path.endswith(".parquet"):
+        return [{"path": path}]
+    pa = _pyarrow()
+    try:
+        with _open_binary(path) as raw:
+            parquet = pa.parquet.ParquetFile(raw)
+            _check_field(parquet.schema_arrow, field, path)
+            meta = parquet.metadata
+            column = next(j for j in range(meta.num_columns) if meta.schema.column(j).path == field)
+            sizes = [meta.row_group(g).column(column).total_uncompressed_size for g in range(meta.num_row_groups)]
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path} is not a readable Parquet file: {err}") from None
+    runs, size = [[0, 0]], 0
+    for group, group_bytes in enumerate(sizes):
+        if size >= unit_bytes:
+            runs.append([group, group])
+            size = 0
+        runs[-1][1] = group + 1
+        size += group_bytes
+    return [{"path": path, "row_groups": run} for run in runs]
+
+
+def _check_field(schema, field: str, path: str) -> None:
+    pa = _pyarrow()
+    if field not in schema.names:
+        raise DataError(f"{path} has no field {field!r} (--text_field); its fields: {', '.join(schema.names)}")
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise DataError(f"{path}: field {field!r} holds {kind}, not text (--text_field)")
+
+
+def _record_batches(unit: dict, field: str) -> Iterator[list]:
+    """The values of `field` in the records of a unit, in batches of consecutive records (None where a
+    record's value is null). DataError naming the file for a missing field, a value that is not text,
+    a line that is no JSON object, or a file that cannot be read or decompressed."""
+    path = unit["path"]
+    pa = _pyarrow()
+    kind = "Parquet" if path.endswith(".parquet") else "Arrow" if path.endswith(".arrow") else "JSON Lines"
+    try:
+        with _open_binary(path) as raw:
+            if path.endswith(".parquet"):
+                parquet = pa.parquet.ParquetFile(raw)
+                _check_field(parquet.schema_arrow, field, path)
+                first, stop = unit["row_groups"]
+                if first < stop:
+                    for batch in parquet.iter_batches(BATCH_RECORDS, row_groups=range(first, stop), columns=[field]):
+                        yield batch.column(0).to_pylist()
+            elif path.endswith(".arrow"):  # a saved Hugging Face dataset: an Arrow stream
+                reader = pa.ipc.open_stream(raw)
+                _check_field(reader.schema, field, path)
+                index = reader.schema.get_field_index(field)
+                for batch in reader:
+                    yield batch.column(index).to_pylist()
+            else:
+                yield from _json_lines(raw, field, path)
+    except (OSError, EOFError, zlib.error, pa.ArrowException) as err:
+        raise DataError(f"{path} is not a readable {kind} file: {err}") from None
+
+
+def _json_lines(raw, field: str, path: str) -> Iterator[list]:
+    """The values of `field` of a JSON Lines file (plain, .gz or .zst) in batches; blank lines skipped."""
+    if path.endswith(".gz"):
+        stream = gzip.open(raw)
+    elif path.endswith(".zst"):
+        stream = io.BufferedReader(_pyarrow().CompressedInputStream(raw, "zstd"), 1 << 20)
+    else:
+        stream = raw
+    batch = []
+    for number, line in enumerate(stream, 1):
+        if number == 1:
+            line = line.removeprefix(codecs.BOM_UTF8)
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:  # not JSON, or not UTF-8
+            raise DataError(f"{path} line {number} is not a JSON record ({err}); JSON Lines files hold one "
+                            "object per line") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path} line {number} is not a JSON object but a {type(record).__name__}; JSON Lines "
+                            "files hold one object per line")
+        if field not in record:
+            raise DataError(f"{path} line {number} has no field {field!r} (--text_field); its fields: "
+                            f"{', '.join(record)}")
+        value = record[field]
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{path} line {number}: field {field!r} holds {json.dumps(value)[:40]}, not text")
+        batch.append(value)
+        if len(batch) == BATCH_RECORDS:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def record_texts(unit: dict, field: str) -> Iterator[str]:
+    """The documents of a record unit: each record's text, in file order, empty ones (null, "" or
+    only whitespace) skipped."""
+    for batch in _record_batches(unit, field):
+        yield from (text for text in batch if text and not text.isspace())
+
+
+def record_pieces(unit: dict, field: str, val_fraction: float, limit: int | None = None) -> Iterator[Piece]:
+    """The documents of a record unit (at most `limit`) in pieces cut as `_cut` cuts."""
+    for text in itertools.islice(record_texts(unit, field), limit):
         split = "val" if held_out(text, val_fraction) else "train"
         pieces = _cut(text)
         for i, part in enumerate(pieces):
             yield Piece(part, i == len(pieces) - 1, split)
 
+
+def unit_pieces(unit: dict, val_fraction: float, field: str, limit: int | None = None) -> Iterator[Piece]:
+    """The pieces of the documents of any unit (text or records), at most `limit` documents."""
+    if is_records(unit["path"]):
+        return record_pieces(unit, field, val_fraction, limit)
+    return text_pieces(unit, val_fraction, limit)
+
+
+def hf_files(name: str, config: str | None, split: str) -> list[str]:
+    """The data files of a split of a Hugging Face dataset: the Arrow files of a local directory
+    written by `datasets.save_to_disk`, else the files the dataset's own configuration lists
+    (`datasets.load_dataset_builder`): `hf://` URLs of the Hub (read through huggingface_hub's
+    filesystem, revision pinned), local paths for a local folder."""
+    folder = os.path.expanduser(name)
+    if os.path.exists(os.path.join(folder, "dataset_dict.json")):
+        with open(os.path.join(folder, "dataset_dict.json")) as f:
+            splits = json.load(f)["splits"]
+        if split not in splits:
+            raise DataError(f"{name} has no split {split!r} (--hf_split); its splits: {', '.join(splits)}")
+        folder = os.path.join(folder, split)
+    if os.path.exists(os.path.join(folder, "state.json")):
+        with open(os.path.join(folder, "state.json")) as f:
+            return [os.path.abspath(os.path.join(folder, d["filename"])) for d in json.load(f)["_data_files"]]
+    try:
+        import datasets  # noqa: PLC0415 - optional dependency: only hf: sources need it
+    except ImportError:
+        raise DataError("hf: sources need the datasets package (pip install datasets)") from None
+    try:
+        files = datasets.load_dataset_builder(name, config).config.data_files or {}
+    except (OSError, ValueError, ConnectionError) as err:  # not found, no such config, offline
+        raise DataError(f"cannot load hf:{name}: {err}") from None
+    if split not in files:
+        raise DataError(f"hf:{name} has no split {split!r} (--hf_split); its splits: {', '.join(files)}")
+    found = [path if "://" in path else os.path.abspath(path) for path in files[split]]
+    other = [path for path in found if not is_records(path)]
+    if other:
+        raise DataError(f"hf:{name}: {other[0]} is no Parquet, JSON Lines or Arrow file, which prepare reads")
+    return found
 
 def _cut(text: str) -> list[str]:
     """A text held in memory in pieces of about PIECE_BYTES, cut where `text_pieces` cuts."""

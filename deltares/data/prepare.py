@@ -2,12 +2,14 @@
 
     python -m deltares.data.prepare --source builtin --tokenizer bpe:4096 --out data/moby
     python -m deltares.data.prepare --source 'corpora/*.txt.gz' --tokenizer gpt2 --out data/pd --workers 2
+    python -m deltares.data.prepare --source 'corpus/*.parquet' --text_field text --tokenizer gpt2 --out data/c --workers 2
     python -m deltares.data.prepare --source hf:HuggingFaceFW/fineweb-edu --hf_config sample-10BT \
         --tokenizer hf:/models/Qwen3-0.6B --max_docs 2000000 --out data/fwe
 
-The source is read lazily in units (deltares.data.documents: plain files cut at blank lines into
-pieces of about 64 MB, a gzipped file whole, a Hugging Face dataset in ranges of records), so
-memory stays bounded however large the corpus. `--workers N` tokenizes N units at once in N
+The source is read lazily in units (deltares.data.documents: plain text files cut at blank lines into
+pieces of about 64 MB, a gzipped text file or a JSON Lines file whole, a Parquet file whole or in
+runs of row groups, a Hugging Face dataset by its own data files), so memory stays bounded however
+large the corpus, and every record is read by one unit only. `--workers N` tokenizes N units at once in N
 processes. `--shard I --num_shards N` tokenizes only the units I, I + N, ... : every host of a pod
 runs it with its own I into the same output directory (a local path or a bucket), and the host that
 finishes the last unit writes `meta.json`. Each finished unit is recorded in a ledger, so a
@@ -15,7 +17,7 @@ prepare that was killed resumes without redoing it (and says how many units were
 the workers or shards, the token stream is the same: the units' documents in source order.
 
 The output directory (format 2, see deltares.data.shards for the token files):
-- `train/<unit>.bin|.idx`, `val/<unit>.bin|.idx`: every document's tokens followed by end-of-text;
+- `train/<unit>.bin`, `val/<unit>.bin`: every document's tokens followed by end-of-text;
 - `meta.json`: format, source, tokenizer spec and fingerprint (`tokenizer_sha256`), vocabulary
   size, end-of-text id, token dtype, the largest token id (`max_token_id`), and per split the
   number of tokens, documents and UTF-8 bytes (for bits per byte) and its shards; written last,
@@ -26,8 +28,8 @@ The output directory (format 2, see deltares.data.shards for the token files):
 
 A document is held out for validation when a hash of its text says so (`--val_fraction` of them),
 whichever file or record it comes from. `--max_docs N` keeps the first N documents of the source,
-held-out ones included (a record of a Hugging Face dataset is a document). `bpe:N` trains its
-tokenizer on the first 20,000 training documents.
+held-out ones included (a non-empty record is a document; counting them reads the text of the
+units it keeps once more). `bpe:N` trains its tokenizer on the first 20,000 training documents.
 
 An `--out` that holds anything but this input's dataset (whole or in part) is refused; with `--overwrite`
 the new dataset is built in `<out>.partial` beside it and swapped in only when complete, so a source
@@ -53,9 +55,9 @@ from tqdm import tqdm
 
 from deltares.command_line import Domain
 from deltares.data import paths
+from deltares.data import documents
 from deltares.data.documents import (
-    BUILTIN, HF_RECORDS_PER_UNIT, UNIT_BYTES, DataError, Piece, count_documents, hf_dataset, hf_pieces, plan_units,
-    text_pieces,
+    BUILTIN, UNIT_BYTES, DataError, Piece, count_documents, hf_files, is_records, plan_units, record_units,
 )
 from deltares.data.shards import ShardWriter
 from deltares.data.tokenizer import bpe_vocab_size, dumps_meta, encode_texts, load_tokenizer, tokenizer_sha256, train_bpe
@@ -73,52 +75,38 @@ VAL_FRACTION = Domain(0, 0.5, low_open=True, high_open=True)  # --val_fraction: 
 
 
 def make_plan(source: str, tokenizer_spec: str, val_fraction: float, *, hf_config=None, hf_split="train",
-              hf_field="text", max_docs=None, unit_bytes=UNIT_BYTES) -> dict:
+              text_field="text", max_docs=None, unit_bytes=UNIT_BYTES) -> dict:
     """What is prepared, fixed before anything is tokenized: the source's units and the settings that
     decide the token stream. A prepare into a directory holding another plan refuses (see `prepare`)."""
     plan = dict(format=DATASET_FORMAT, source=source, tokenizer=tokenizer_spec, val_fraction=val_fraction,
                 max_docs=max_docs)
     if source.startswith("hf:"):
-        plan.update(hf=dict(name=source[3:], config=hf_config, split=hf_split, field=hf_field,
-                            records_per_unit=HF_RECORDS_PER_UNIT))
-        ds = hf_dataset(source[3:], hf_config, hf_split)
-        total = len(ds) if hasattr(ds, "__len__") else None
-        total = min(total, max_docs) if total is not None and max_docs else (total if total is not None else max_docs)
-        plan["units"] = None if total is None else [
-            {"start": a, "stop": min(a + HF_RECORDS_PER_UNIT, total)} for a in range(0, total, HF_RECORDS_PER_UNIT)]
-        return plan
-    units = plan_units(source, unit_bytes)
+        plan["hf"] = dict(config=hf_config, split=hf_split)
+        files = hf_files(source[3:], hf_config, hf_split)
+        units = [unit for path in files for unit in record_units(path, text_field, unit_bytes)]
+    else:
+        units = plan_units(source, unit_bytes, text_field)
+    if any(is_records(u["path"]) for u in units):
+        plan["text_field"] = text_field
     if max_docs:
-        for unit, limit in zip(units, count_documents(units, max_docs)):
+        for unit, limit in zip(units, count_documents(units, max_docs, text_field)):
             unit["limit"] = limit
         units = [u for u in units if u["limit"]]
     plan["units"] = units
     return plan
 
 
-def unit_pieces(plan: dict, index: int, dataset=None):
+def unit_pieces(plan: dict, index: int):
     """The pieces of unit `index` of the plan (see deltares.data.documents)."""
-    if "hf" in plan:
-        hf = plan["hf"]
-        if plan["units"] is not None:
-            start, stop = plan["units"][index]["start"], plan["units"][index]["stop"]
-        else:
-            start = index * hf["records_per_unit"]
-            stop = start + hf["records_per_unit"]
-        ds = dataset if dataset is not None else hf_dataset(hf["name"], hf["config"], hf["split"])
-        return hf_pieces(ds, hf["field"], start, stop, plan["val_fraction"], hf["name"])
     unit = plan["units"][index]
-    return text_pieces(unit, plan["val_fraction"], unit.get("limit"))
+    return documents.unit_pieces(unit, plan["val_fraction"], plan.get("text_field", "text"), unit.get("limit"))
 
 
 def _bpe_sample(plan: dict):
     """The first BPE_SAMPLE_DOCS training documents of the source (at most BPE_SAMPLE_BYTES), in order."""
     docs, size, parts = 0, 0, []
-    index = 0
-    while plan["units"] is None or index < len(plan["units"]):
-        seen = False
+    for index in range(len(plan["units"])):
         for piece in unit_pieces(plan, index):
-            seen = True
             if piece.split != "train":
                 continue
             parts.append(piece.text)
@@ -128,9 +116,6 @@ def _bpe_sample(plan: dict):
                 parts, docs = [], docs + 1
                 if docs >= BPE_SAMPLE_DOCS or size >= BPE_SAMPLE_BYTES:
                     return
-        if not seen and plan["units"] is None:
-            return
-        index += 1
 
 
 # ----------------------------------------------------------------------------- one unit
@@ -234,14 +219,6 @@ def _done(out: epath.Path) -> dict[int, dict]:
     return records
 
 
-def _n_units(plan: dict, done: dict) -> int | None:
-    """How many units the dataset has: the plan's, or for an open-ended stream the first empty unit's index."""
-    if plan["units"] is not None:
-        return len(plan["units"])
-    empty = [i for i, r in done.items() if r["documents"] == 0 and not any(r["splits"][s]["tokens"] for s in SPLITS)]
-    return min(empty) if empty else None
-
-
 def _other(out: epath.Path, plan: dict) -> str | None:
     """What `out` holds instead of this plan's dataset, in words; None when it is missing, empty, or holds
     this plan's dataset (whole, or in part: a prepare to resume)."""
@@ -314,8 +291,9 @@ def _finalize(out: epath.Path, plan: dict, tokenizer, done: dict, n_units: int) 
     if not splits["train"]["documents"] or not splits["val"]["documents"]:
         raise DataError(
             f"source {plan['source']!r} gave {splits['train']['documents']} training and "
-            f"{splits['val']['documents']} validation documents; need at least one of each (documents are "
-            "separated by blank lines; the validation split holds about val_fraction of them)"
+            f"{splits['val']['documents']} validation documents; need at least one of each (a document is "
+            "the text between blank lines, or a non-empty record; the validation split holds about val_fraction "
+            "of them)"
         )
     with (out / "unigram.npy").open("wb") as f:
         np.save(f, unigram)
@@ -344,7 +322,7 @@ def prepare(
     val_fraction: float = 0.02,
     hf_config: str | None = None,
     hf_split: str = "train",
-    hf_field: str = "text",
+    text_field: str = "text",
     max_docs: int | None = None,
     progress: bool = True,
     workers: int = 1,
@@ -368,7 +346,7 @@ def prepare(
         load_tokenizer(tokenizer_spec)  # a bad spec fails before anything is read or written
     out = epath.Path(paths.run_dir(out_dir))
     plan = make_plan(source, tokenizer_spec, val_fraction, hf_config=hf_config, hf_split=hf_split,
-                     hf_field=hf_field, max_docs=max_docs, unit_bytes=unit_bytes)
+                     text_field=text_field, max_docs=max_docs, unit_bytes=unit_bytes)
     if plan["units"] == []:
         raise DataError(f"source {source!r} holds no documents")
     work = _workspace(out, plan, overwrite)
@@ -405,8 +383,8 @@ def _prepare(out: epath.Path, plan: dict, tokenizer_spec: str, workers: int, sha
     tokenizer = load_tokenizer(tokenizer_spec, tokenizer_json)
     _tokenize(out, plan, tokenizer_json, workers, shard, num_shards, progress)
     done = _done(out)
-    n_units = _n_units(plan, done)
-    if n_units is None or any(i not in done for i in range(n_units)):
+    n_units = len(plan["units"])
+    if any(i not in done for i in range(n_units)):
         return None
     return _finalize(out, plan, tokenizer, done, n_units)
 
@@ -415,13 +393,11 @@ def _tokenize(out: epath.Path, plan: dict, tokenizer_json, workers: int, shard: 
               progress: bool) -> None:
     """Tokenizes this shard's units that the ledger does not hold, `workers` at a time."""
     done = _done(out)
-    known = plan["units"] is not None
-    total = len(plan["units"]) if known else None
+    total = len(plan["units"])
     if done:
-        _say(f"resuming {out}: {len(done)}{f' of {total}' if known else ''} units already done")
-    mine = [i for i in range(total) if i % num_shards == shard and i not in done] if known else None
-    bar = tqdm(total=len(mine) if known else None, desc="tokenizing", unit="unit", disable=not progress,
-               file=sys.stderr)
+        _say(f"resuming {out}: {len(done)} of {total} units already done")
+    mine = [i for i in range(total) if i % num_shards == shard and i not in done]
+    bar = tqdm(total=len(mine), desc="tokenizing", unit="unit", disable=not progress, file=sys.stderr)
     tokens = 0
 
     def report(record):
@@ -433,39 +409,15 @@ def _tokenize(out: epath.Path, plan: dict, tokenizer_json, workers: int, shard: 
     try:
         if workers == 1:
             _limit_arenas()
-            for index in (mine if known else _open_ended(shard, num_shards, done)):
-                record = tokenize_unit(os.fspath(out), plan, index, tokenizer_json)
-                report(record)
-                if not known and record["documents"] == 0:
-                    break
+            for index in mine:
+                report(tokenize_unit(os.fspath(out), plan, index, tokenizer_json))
             return
         threads = max(1, (os.cpu_count() or 1) // workers)
         with multiprocessing.get_context("spawn").Pool(workers, _worker_init, (threads,)) as pool:
-            if known:
-                for record in pool.imap_unordered(_run_unit, [(os.fspath(out), plan, i, tokenizer_json) for i in mine]):
-                    report(record)
-                return
-            indices = _open_ended(shard, num_shards, done)
-            while True:  # an open-ended stream: `workers` units at a time until one is empty
-                wave = [next(indices) for _ in range(workers)]
-                records = pool.map(_run_unit, [(os.fspath(out), plan, i, tokenizer_json) for i in wave])
-                for record in records:
-                    report(record)
-                if any(r["documents"] == 0 for r in records):
-                    return
+            for record in pool.imap_unordered(_run_unit, [(os.fspath(out), plan, i, tokenizer_json) for i in mine]):
+                report(record)
     finally:
         bar.close()
-
-
-def _open_ended(shard: int, num_shards: int, done: dict):
-    """This shard's unit indices of a stream of unknown length, skipping those the ledger holds."""
-    index = shard
-    while True:
-        if index not in done:
-            yield index
-        elif done[index]["documents"] == 0:
-            return
-        index += num_shards
 
 
 def main(argv):
@@ -480,7 +432,7 @@ def main(argv):
             val_fraction=_VAL.value,
             hf_config=_HF_CONFIG.value,
             hf_split=_HF_SPLIT.value,
-            hf_field=_HF_FIELD.value,
+            text_field=_TEXT_FIELD.value,
             max_docs=_MAX_DOCS.value,
             workers=_WORKERS.value,
             shard=_SHARD.value,
@@ -500,22 +452,24 @@ def main(argv):
 def cli() -> None:
     """The command line (`python -m deltares.data.prepare`, `deltares-prepare`); flags only here, so modules
     import side by side."""
-    global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _HF_FIELD, _MAX_DOCS, _WORKERS, _SHARD
+    global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _TEXT_FIELD, _MAX_DOCS, _WORKERS, _SHARD
     global _NUM_SHARDS, _OVERWRITE
     from deltares import command_line
     from deltares.command_line import AT_LEAST_1, NON_NEGATIVE
 
-    _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text files or globs (comma-separated), or hf:NAME.")
+    _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text, Parquet or JSON Lines files or globs "
+                                  "(comma-separated), or hf:NAME.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
     _OUT = flags.DEFINE_string("out", None, "Output directory (a local path or a gs:// or s3:// URL).")
     _VAL = command_line.define_number(flags.DEFINE_float, "val_fraction", 0.02,
                                       "Fraction of documents held out for validation (by hash).", VAL_FRACTION)
     _HF_CONFIG = flags.DEFINE_string("hf_config", None, "Hugging Face dataset configuration name.")
-    _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to stream.")
-    _HF_FIELD = flags.DEFINE_string("hf_field", "text", "Record field holding the text.")
+    _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to read.")
+    _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "The field of a record (Parquet, JSON Lines, Hugging "
+                                      "Face) holding its text.")
     integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
     _MAX_DOCS = integer("max_docs", None, "Keep the first N documents of the source (held-out ones included; a "
-                        "Hugging Face record is a document).", AT_LEAST_1)
+                        "non-empty record is a document).", AT_LEAST_1)
     _WORKERS = integer("workers", 1, "Processes tokenizing units at once.", AT_LEAST_1)
     _SHARD = integer("shard", 0, "This host's share of the units: I of --num_shards (less than it).", NON_NEGATIVE)
     _NUM_SHARDS = integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).", AT_LEAST_1)

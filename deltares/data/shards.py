@@ -4,15 +4,14 @@ Format 2 (`deltares.data.prepare`), in the dataset directory (a local path or a 
 
 - `<split>/<unit>.bin`: the tokens of the unit's documents of that split, each document followed by
   end-of-text, a flat little-endian uint16 (vocabulary <= 65536) or uint32 array;
-- `<split>/<unit>.idx`: uint64, the end offset of each document in the `.bin` (document boundaries
-  without scanning for end-of-text);
 - `meta.json` lists each split's shards in order with their token counts: the split's tokens are
   the shards concatenated.
 
-Flat files with an index, rather than ArrayRecord: training reads fixed windows of `seq_len + 1`
-tokens at any offset, which a flat file serves with one read (a memory map on a disk, one byte-range
-request on a bucket), where a record format would read and decode whole records; documents stay
-recoverable through the index. Format 1 (one `<split>.bin`) reads as a single shard.
+Flat files rather than ArrayRecord: training reads fixed windows of `seq_len + 1` tokens at any
+offset, which a flat file serves with one read (a memory map on a disk, one byte-range request on a
+bucket), where a record format would read and decode whole records; document boundaries are the
+end-of-text tokens. (Datasets prepared by earlier versions also hold a `<split>/<unit>.idx` of
+document ends, which nothing reads.) Format 1 (one `<split>.bin`) reads as a single shard.
 
 `Tokens` reads a split: memory-mapped shards on a disk, byte ranges of the shard objects on a
 bucket (`gs://` through gcsfs, `s3://` through s3fs), a batch of windows in one concurrent request
@@ -144,7 +143,7 @@ class Tokens:
 
 
 class ShardWriter:
-    """Writes one unit's tokens of one split: `<split>/<unit>.bin` and `.idx`, through a buffer, with
+    """Writes one unit's tokens of one split, `<split>/<unit>.bin`, through a buffer, with
     the counts the ledger and meta.json keep (tokens, documents, bytes, largest id, unigram)."""
 
     FLUSH_TOKENS = 1 << 22
@@ -157,15 +156,14 @@ class ShardWriter:
         self.name = f"{split}/{unit:05d}"
         # A local file is written under a name of this process's and renamed when whole, so that two
         # prepares of one unit never write into each other's file; a bucket object appears only whole.
-        self.final = [folder / f"{unit:05d}{ext}" for ext in (".bin", ".idx")]
+        self.final = folder / f"{unit:05d}.bin"
         local = not paths.is_remote(os.fspath(folder))
-        self.partial = [p.with_name(f"{p.name}.tmp{os.getpid()}") if local else p for p in self.final]
-        self.bin, self.idx = (p.open("wb") for p in self.partial)
+        self.partial = self.final.with_name(f"{self.final.name}.tmp{os.getpid()}") if local else self.final
+        self.bin = self.partial.open("wb")
         self.dtype, self.buffer, self.buffered = np.dtype(dtype), [], 0
         self.tokens = self.documents = self.bytes = 0
         self.max_id = -1
         self.unigram = np.zeros(vocab_size, np.int64)
-        self.ends: list[int] = []
 
     def add(self, ids, last: bool, n_bytes: int, eos_id: int) -> None:
         """The ids of a piece of a document; `last`: it ends the document (end-of-text follows)."""
@@ -177,24 +175,18 @@ class ShardWriter:
             self.buffered += arr.size
             self.tokens += arr.size
         self.bytes += n_bytes
-        if last:
-            self.documents += 1
-            self.ends.append(self.tokens)
+        self.documents += last
         if self.buffered >= self.FLUSH_TOKENS:
             self._flush()
 
     def _flush(self) -> None:
         if self.buffer:
             self.bin.write(np.concatenate(self.buffer).tobytes())
-        if self.ends:
-            self.idx.write(np.asarray(self.ends, np.uint64).tobytes())
-        self.buffer, self.buffered, self.ends = [], 0, []
+        self.buffer, self.buffered = [], 0
 
     def close(self) -> dict:
         self._flush()
         self.bin.close()
-        self.idx.close()
-        for partial, final in zip(self.partial, self.final):
-            if partial != final:
-                os.replace(partial, final)
+        if self.partial != self.final:
+            os.replace(self.partial, self.final)
         return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes}

@@ -458,6 +458,7 @@ def hf_files(name: str, config: str | None, split: str) -> list[str]:
         raise DataError(f"hf:{name}: {other[0]} is no Parquet, JSON Lines or Arrow file, which prepare reads")
     return found
 
+
 def _cut(text: str) -> list[str]:
     """A text held in memory in pieces of about PIECE_BYTES, cut where `text_pieces` cuts."""
     if len(text) <= PIECE_BYTES:

@@ -333,8 +333,9 @@ RULES = (
          extra=("--rows", "s220m baseline attn=cudnn"),
          reason="one row, compiled for the H200 in seconds (all 26 take about 10 minutes)"),
     Rule("data benchmark", r"^python -m tests\.bench_data\b", "run",
-         extra=("--sizes", "1", "--read_seconds", "1", "--workers", "2", "--shards", "1"),
-         reason="1 MB of each format, 2 workers (the full benchmark prepares 1.1 GB of each in 4 ways)"),
+         extra=("--sizes", "1", "--read_seconds", "1", "--workers", "2", "--shards", "1", "--formats", "jsonl.zst"),
+         reason="1 MB of .jsonl.zst records, 2 workers (the full benchmark prepares 1.1 GB of each format in 4 ways; "
+                "tests/test_prepare.py prepares every format)"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu|slurm)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
     Rule("GPU measurement script", r"^(bash )?launch/gpu_bench\.sh ", "launch", check="launch",

@@ -363,6 +363,9 @@ def bad_commands(tmp_path, finished, builtin_dataset):
         ("generate: export lacks a field", ["deltares.generate", "--checkpoint", str(no_heads), "--prompt", "hi"],
          ["num_attention_heads missing"], {}),
         ("prepare without --out", ["deltares.data.prepare", "--source", "builtin"], ["--out"], {}),
+        ("prepare of a glob the shell expanded", ["deltares.data.prepare", "--source", "a.parquet", "b.parquet",
+                                                  "--tokenizer", "bytes", "--out", str(tmp_path / "expanded")],
+         ["unexpected arguments b.parquet", "quote a glob"], {}),
         ("prepare into a run", ["deltares.data.prepare", "--source", "builtin", "--tokenizer", "bytes", "--out",
                                 str(finished)], ["holds a run", "--overwrite"], {}),
     ]

@@ -421,7 +421,9 @@ def _tokenize(out: epath.Path, plan: dict, tokenizer_json, workers: int, shard: 
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:  # most often a glob the shell expanded: --source took only its first file
+        sys.exit(f"error: unexpected arguments {' '.join(argv[1:3])}{' ...' if len(argv) > 3 else ''}; quote a glob "
+                 "so that the shell does not expand it: --source 'corpus/*.parquet'")
     if not _OUT.value:
         raise app.UsageError("--out is required")
     try:

@@ -61,6 +61,7 @@ missing=()
 [[ $CUDA == 12 || $CUDA == 13 ]] || die "--cuda must be 12 or 13, not '$CUDA'"
 env=(env) count=0 # count: the GPUs JAX must see (0: any number)
 if [[ $GPUS =~ ^[1-9][0-9]*$ ]]; then
+  ((${#GPUS} <= 3 && GPUS <= 256)) || die "--gpus $GPUS: a node has at most 256 GPUs here; give a number from 1 to 256"
   count=$GPUS
   env+=("CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS - 1)))")
 elif [[ $GPUS =~ ^[0-9]+(,[0-9]+)*,?$ && $GPUS == *,* ]]; then

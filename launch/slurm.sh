@@ -75,7 +75,7 @@ missing=()
 ((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
 for var in NODES GPUS_PER_NODE SAVE_BEFORE; do
   flag=--${var,,}
-  [[ ${!var} =~ ^[1-9][0-9]*$ ]] || die "${flag//_/-} must be a positive whole number, not '${!var}'"
+  [[ ${!var} =~ ^[1-9][0-9]{0,5}$ ]] || die "${flag//_/-} must be a positive whole number below 1000000, not '${!var}'"
 done
 [[ $JOB_NAME =~ ^[A-Za-z0-9_.-]+$ ]] || die "--job-name may hold letters, digits and _.- only, not '$JOB_NAME'"
 [[ -z $MOUNTS || -n $CONTAINER ]] || die "--mounts needs --container"

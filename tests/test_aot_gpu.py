@@ -235,8 +235,8 @@ def test_bad_gpu_is_one_error_line(flags, words):
 
 def test_gpu_count_is_parsed_and_bad_forms_are_refused():
     assert gpu_aot.parse_gpu("h100") == ("h100", 1) and gpu_aot.parse_gpu(" H200:8 ") == ("h200", 8)
-    for bad in ("h100:", "h100:0", "h100:-1", "h100:x", "h100:2:2", "h100:1.5"):
-        with pytest.raises(ValueError, match="NAME:N with N a positive number of GPUs"):
+    for bad in ("h100:", "h100:0", "h100:-1", "h100:x", "h100:2:2", "h100:1.5", "h100:nan", "h100:99999999999"):
+        with pytest.raises(ValueError, match="NAME:N with N a number of GPUs of one node from 1 to 256"):
             gpu_aot.parse_gpu(bad)
     with pytest.raises(ValueError, match="choose one of h100, h200"):
         gpu_aot.parse_gpu("a100:8")

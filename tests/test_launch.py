@@ -448,6 +448,8 @@ def test_gpu_options(tmp_path):
     ([*GPU_ARGS, "--gpus"], "--gpus needs a value"),
     ([*GPU_ARGS, "--gpus", "0"], "--gpus must be all, a number of GPUs or a list of IDs"),
     ([*GPU_ARGS, "--gpus", "1-3"], "not '1-3'"),
+    ([*GPU_ARGS, "--gpus", "-1"], "not '-1'"), ([*GPU_ARGS, "--gpus", "nan"], "not 'nan'"),
+    ([*GPU_ARGS, "--gpus", "99999999999"], "give a number from 1 to 256"),
     (["--config", "experiments/nope.py:x", "--workdir", "w"], "experiments/nope.py"),
 ])
 def test_gpu_bad_settings_are_one_line_errors(args, needle):
@@ -584,6 +586,8 @@ def test_slurm_job_shown_in_the_docs_is_the_one_written():
     "--save-before must be"), ([*SLURM_ARGS, "--mounts", "/a:/a"], "--mounts needs --container"),
     ([*SLURM_ARGS, "--job-name", "a b"], "--job-name may hold"), ([*SLURM_ARGS, "--sbatch"], "--sbatch needs a value"),
     ([*SLURM_ARGS, "--gpus", "8"], "unknown argument '--gpus'"),
+    ([*SLURM_ARGS, "--nodes", "99999999999"], "below 1000000"), ([*SLURM_ARGS, "--save-before", "nan"],
+    "--save-before must be"), ([*SLURM_ARGS, "--gpus-per-node", "-1"], "--gpus-per-node must be"),
 ])
 def test_slurm_bad_settings_are_one_line_errors(args, needle):
     check_one_line_error(run(SLURM, ["--dry-run", *args]), needle)

@@ -46,6 +46,9 @@ def target_config(name: str) -> str:
         return f.read()
 
 
+MAX_GPUS = 256  # NAME:N is the GPUs of one node (one process), as jax's CUDA topology 1x1xN
+
+
 def parse_gpu(spec: str) -> tuple[str, int]:
     """'h100' -> ('h100', 1), 'h200:8' -> ('h200', 8): a GPU of deltares/training/gpu_targets and how many;
     ValueError saying the form for anything else."""
@@ -53,8 +56,9 @@ def parse_gpu(spec: str) -> tuple[str, int]:
     target_config(name)  # ValueError for a GPU not shipped
     if not colon:
         return name, 1
-    if not count.isdigit() or int(count) < 1:
-        raise ValueError(f"--gpu={spec!r}: expected NAME or NAME:N with N a positive number of GPUs, e.g. h100:8")
+    if not count.isdigit() or not 1 <= int(count) <= MAX_GPUS:
+        raise ValueError(f"--gpu={spec!r}: expected NAME or NAME:N with N a number of GPUs of one node from 1 to "
+                         f"{MAX_GPUS}, e.g. h100:8")
     return name, int(count)
 
 

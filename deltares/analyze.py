@@ -448,15 +448,15 @@ def cli() -> None:
     import side by side."""
     global _WORKDIR, _CHECKPOINT, _DATA, _OUT, _BATCH, _MAX_BATCHES
     from deltares import command_line
-    from deltares.command_line import AT_LEAST_1
+    from deltares.common.domains import AT_LEAST_1, define_number
 
     _WORKDIR = flags.DEFINE_multi_string("workdir", None, "A run directory (newest checkpoint); repeat for more runs.")
     _CHECKPOINT = flags.DEFINE_multi_string("checkpoint", None, "A workdir or one checkpoint step directory; repeatable.")
     _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory or a text file (default: each run's "
                                 "own validation split).")
     _OUT = flags.DEFINE_string("out", None, "Output directory (default: <first run>/analysis).")
-    _BATCH = command_line.define_number(flags.DEFINE_integer, "batch", 8, "Sequences per batch.", AT_LEAST_1)
-    _MAX_BATCHES = command_line.define_number(flags.DEFINE_integer, "max_batches", 8,
+    _BATCH = define_number(flags.DEFINE_integer, "batch", 8, "Sequences per batch.", AT_LEAST_1)
+    _MAX_BATCHES = define_number(flags.DEFINE_integer, "max_batches", 8,
                                               "Batches of the validation sample.", AT_LEAST_1)
     command_line.run(main)
 

@@ -80,6 +80,7 @@ from deltares.training.compile_only import (  # noqa: F401 - re-exported: the to
     topology_devices,
     train_step,
 )
+from deltares.training.experiment import field_names
 from deltares.training.memory import compiled_bytes
 
 GIB = 2**30
@@ -617,7 +618,7 @@ def cli() -> None:
         "recomputation, then the plain loss).")
     if "JAX_PLATFORMS" not in os.environ:  # never touch TPU hardware: the step runs on compile-only devices
         jax.config.update("jax_platforms", "cpu")
-    command_line.run(main, quiet_libtpu=False)  # libtpu is set up as a compiler (topology_devices)
+    command_line.run(main, quiet_libtpu=False, config_fields=field_names)  # libtpu is set up as a compiler (topology_devices)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from deltares.nn.config import MODES
-from deltares.training.experiment import validate_config
+from deltares.training.experiment import field_names, validate_config
 from deltares.training.memory import compiled_bytes, device_peak_bytes
 from deltares.training.metrics import mfu, model_flops_per_token, peak_flops_per_device
 from deltares.training.sharding import make_mesh, shard_batch
@@ -176,16 +176,16 @@ def cli() -> None:
     import side by side."""
     global _CONFIG, _BATCH, _SEQ, _ROUNDS, _STEPS, _MODES
     from deltares import command_line
-    from deltares.command_line import AT_LEAST_1
+    from deltares.common.domains import AT_LEAST_1, define_number
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, e.g. experiments/tiny.py (or by name: tiny).")
-    integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
+    integer = functools.partial(define_number, flags.DEFINE_integer)
     _BATCH = integer("batch", None, "Sequences per step (default: config.train.global_batch).", AT_LEAST_1)
     _SEQ = integer("seq_len", None, "Tokens per sequence (default: config.data.seq_len).", AT_LEAST_1)
     _ROUNDS = integer("rounds", 5, "Interleaved timing rounds.", AT_LEAST_1)
     _STEPS = integer("steps", 4, "Timed steps per mode per round.", AT_LEAST_1)
     _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to time (baseline is always included).")
-    command_line.run(main)
+    command_line.run(main, config_fields=field_names)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,7 @@
 """What every command-line tool does before it parses its flags (`python -m deltares.<tool>` and the
-`deltares-<tool>` console scripts share one entry function that ends in `run`), and the range of
-every number a user gives (`Domain`: a config field's, a flag's), declared once per number.
-
-A `Domain` is an interval with optional ends, open or closed, plus a few special values (`-1`
-for a mesh axis that takes the remaining devices). Every float must be finite and every integer
-must fit in 32 bits (shapes, steps and seeds end up in int32 arrays), whatever the interval says:
-`nan` compares false with everything, so an interval check alone would let it through.
-`problem(value)` says what is wrong ("must be ..."), `str(domain)` what is allowed (help texts, the
-config reference). The config schema (deltares.nn.config, deltares.training.experiment) and every
-tool's numeric flags (`define_number`) use it; it imports nothing heavy.
+`deltares-<tool>` console scripts share one entry function that ends in `run`): flag errors as one
+`error:` line, `--config` names resolved, interrupts as one line. The ranges of numbers are
+`deltares.common.domains`.
 
 Nothing here happens on `import deltares`: the environment of a program that uses the library is
 left as it is; only the tools change their own process's environment.
@@ -20,74 +13,16 @@ import contextlib
 import difflib
 import functools
 import glob
-import math
-import numbers
 import os
 import re
 import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 
 from absl import app, flags
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-flags.disclaim_key_flags()  # a flag `define_number` defines is the calling tool's (its --help lists it)
-INT_LIMIT = 2**31 - 1  # the largest integer a field or flag may hold (int32)
-
-
-def _number(x: float) -> str:
-    """`x` as written in a range: 1 not 1.0, 2147483647 in full."""
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-@dataclass(frozen=True)
-class Domain:
-    """The numbers in `[low, high]` (`None`: no bound on that side; `low_open`/`high_open`: the end
-    itself excluded), and also the values in `also`."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    also: tuple = ()
-
-    def __str__(self) -> str:
-        lo, hi = self.low, self.high
-        if hi is None and lo == 0:
-            text = "positive" if self.low_open else "non-negative"
-        elif hi is None and lo is not None:
-            text = f"{'greater than' if self.low_open else 'at least'} {_number(lo)}"
-        elif lo is None and hi is not None:
-            text = f"{'less than' if self.high_open else 'at most'} {_number(hi)}"
-        elif lo is None:
-            text = "any finite number"
-        else:
-            text = f"in {'(' if self.low_open else '['}{_number(lo)}, {_number(hi)}{')' if self.high_open else ']'}"
-        return text + "".join(f", or {_number(v)}" for v in self.also)
-
-    def problem(self, value) -> str | None:
-        """What is wrong with `value` (None: it is allowed), e.g. 'must be positive'. NumPy numbers
-        count as Python's."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return "must be a number"
-        value = int(value) if isinstance(value, numbers.Integral) else float(value)
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be finite and {self}"
-        if isinstance(value, int) and abs(value) > INT_LIMIT:
-            return f"must be a 32-bit integer (at most {INT_LIMIT} in size), {self}"
-        if value in self.also:
-            return None
-        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        high_ok = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return None if low_ok and high_ok else f"must be {self}"
-
-
-POSITIVE = Domain(0, low_open=True)  # > 0; for integers: at least 1
-NON_NEGATIVE = Domain(0)
-AT_LEAST_1 = Domain(1)
-MESH_AXIS = Domain(1, also=(-1,))  # a device mesh axis: its size, or -1 for the remaining devices
 
 
 def tpu_chips_present() -> bool:
@@ -156,12 +91,10 @@ def _help_as_under_python_m(module_name: str) -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
-def config_override_error(argv: list[str], err: BaseException) -> str:
+def config_override_error(argv: list[str], err: BaseException, names: list[str]) -> str:
     """One line for a `--config.<field>=value` override that fails while the flags are parsed: the
-    first override naming no field of the schema, with the closest field that exists."""
-    from deltares.training.experiment import field_names  # noqa: PLC0415 - only on this error path
-
-    names = field_names()
+    first override naming no field of the schema (`names`, dotted from `config.`), with the closest
+    field that exists."""
     for arg in argv[1:]:
         match = re.match(r"^--?(config\.[^=\s]+)", arg)
         if match and match.group(1) not in names:
@@ -180,24 +113,6 @@ def one_line(err: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else type(err).__name__
     return f"{lines[0].split(': Error whilst')[0].removesuffix(':')}: {lines[-1]}"
-
-
-def define_number(define, name: str, default, help: str, domain: Domain):
-    """`define(name, default, help)` (flags.DEFINE_integer or DEFINE_float), the help ending in the
-    allowed range, whose value (unless left unset: None) must lie in `domain`: checked as the flags
-    are parsed, before any work, so a value outside it is one `error:` line naming the flag and the
-    range. The one way every tool declares a numeric flag."""
-    holder = define(name, default, f"{help.rstrip('.')}; {domain}.")
-    flags.FLAGS[name].domain = domain  # for the tests that walk every numeric flag
-
-    def check(value) -> bool:
-        problem = None if value is None else domain.problem(value)
-        if problem:
-            raise flags.ValidationError(problem)
-        return True
-
-    flags.register_validator(name, check)
-    return holder
 
 
 def config_file_argument(argv: list[str]) -> str | None:
@@ -239,6 +154,9 @@ def _flag_error(err: flags.Error) -> str:
     return lines[0] if len(lines) > 1 and all(line.startswith("flag --") for line in lines) else one_line(err)
 
 
+_config_fields = list  # the tool's experiment schema: its field names (`run`'s `config_fields`)
+
+
 def _parse_flags(argv: list[str]):
     """absl's flag parsing, with every error one `error:` line (absl prints two, and config overrides
     that name no field, or an experiment file that cannot be loaded, end in a traceback)."""
@@ -253,7 +171,7 @@ def _parse_flags(argv: list[str]):
     except Exception as err:  # noqa: BLE001 - a config override, or the experiment file's own code, failed
         override = any(re.match(r"^--?config\.", arg) for arg in argv[1:])
         if override and isinstance(err, (AttributeError, KeyError, TypeError, ValueError)):
-            sys.exit(f"error: {config_override_error(argv, err)}")
+            sys.exit(f"error: {config_override_error(argv, err, _config_fields())}")
         if not config_file:
             raise
         sys.exit(f"error: --config {config_file}: get_config failed: {type(err).__name__}: {one_line(err)}")
@@ -368,11 +286,14 @@ def _exit_interrupted(sig: signal.Signals) -> None:
     os._exit(EXIT_CODES[sig])
 
 
-def run(main, quiet_libtpu: bool = True) -> None:
+def run(main, quiet_libtpu: bool = True, config_fields=list) -> None:
     """`absl.app.run(main)` for a tool whose flags are defined: libtpu quiet (unless the tool sets
     libtpu up itself, as `deltares.aot` does), `--config` names resolved, `--help` complete, and
     every usage, flag or config-override error one `error:` line; an interrupt at any moment one
-    line too (`handle_interrupts`)."""
+    line too (`handle_interrupts`). A tool with a `--config` passes `config_fields` (a function
+    returning the schema's dotted field names) for the line of an override naming no field."""
+    global _config_fields
+    _config_fields = config_fields
     handle_interrupts()
     if quiet_libtpu:
         quiet_libtpu_off_tpu()

@@ -143,14 +143,14 @@ def cli() -> None:
     global _HF, _CHECKPOINT, _OUT, _OUT_WORKDIR, _MODE, _BLOCK_LAYERS, _GATE, _NULL_SOURCE, _DTYPE, _TOKENIZER
     global _OVERWRITE
     from deltares import command_line
-    from deltares.command_line import AT_LEAST_1
+    from deltares.common.domains import AT_LEAST_1, define_number
 
     _HF = flags.DEFINE_string("hf", None, "A Hugging Face Qwen3 checkpoint directory to read.")
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A deltares run directory (or step directory) to export.")
     _OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
     _OUT_WORKDIR = flags.DEFINE_string("out_workdir", None, "A new deltares run directory to write (with --hf).")
     _MODE = flags.DEFINE_enum("mode", None, list(hf.MODES), "Residual scheme to convert into (default: as stored).")
-    _BLOCK_LAYERS = command_line.define_number(flags.DEFINE_integer, "block_layers", None,
+    _BLOCK_LAYERS = define_number(flags.DEFINE_integer, "block_layers", None,
                                                "Layers per block for the block modes.", AT_LEAST_1)
     _GATE = flags.DEFINE_bool("gate", None, "Zero gate on the routed term (exact conversion; default on for delta modes).")
     _NULL_SOURCE = flags.DEFINE_bool("null_source", False, "Add the paper's learned null source to every routing.")

@@ -114,14 +114,14 @@ def cli() -> None:
     import side by side."""
     global _CHECKPOINT, _DATA, _BATCH, _MAX_BATCHES
     from deltares import command_line
-    from deltares.command_line import AT_LEAST_1
+    from deltares.common.domains import AT_LEAST_1, define_number
 
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
     _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or text files, .gz, globs "
                                 "(comma-separated), as prepare's --source.")
-    _BATCH = command_line.define_number(flags.DEFINE_integer, "batch", 8, "Sequences per evaluation batch.",
+    _BATCH = define_number(flags.DEFINE_integer, "batch", 8, "Sequences per evaluation batch.",
                                         AT_LEAST_1)
-    _MAX_BATCHES = command_line.define_number(
+    _MAX_BATCHES = define_number(
         flags.DEFINE_integer, "max_batches", None, "Score only the first N batches of the trainer's validation "
         "windows (bits per byte at the mean bytes per token); unset: every token", AT_LEAST_1)
     command_line.run(main)

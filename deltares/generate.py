@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from deltares.command_line import AT_LEAST_1, NON_NEGATIVE, Domain
+from deltares.common.domains import AT_LEAST_1, NON_NEGATIVE, Domain, define_number
 from deltares.interop.inference import load_model
 from deltares.nn.model import init_cache
 from deltares.training.checkpoint import CheckpointError
@@ -259,8 +259,8 @@ def cli() -> None:
     _PROMPT = flags.DEFINE_multi_string("prompt", None, "The text to continue; give it several times for a batch.")
     _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Prompts, one per line (a .jsonl file: one JSON string "
                                        'or {"prompt": ...} per line).')
-    integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
-    number = functools.partial(command_line.define_number, flags.DEFINE_float)
+    integer = functools.partial(define_number, flags.DEFINE_integer)
+    number = functools.partial(define_number, flags.DEFINE_float)
     _MAX_NEW = integer("max_new_tokens", 100, "Tokens to generate at most.", REQUEST_DOMAINS["max_new_tokens"])
     _MIN_NEW = integer("min_new_tokens", 0, "End-of-text is not sampled before this many tokens.",
                        REQUEST_DOMAINS["min_new_tokens"])

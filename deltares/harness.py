@@ -32,7 +32,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from deltares.command_line import AT_LEAST_1
+from deltares.common.domains import AT_LEAST_1
 from deltares.nn.config import DTYPES
 from deltares.generate import bucket, generate
 from deltares.interop.inference import load_model

@@ -40,7 +40,7 @@ from deltares.data.source import DataSource, unigram_perplexity
 from deltares.interop import hf
 from deltares.nn.attention import check_attention
 from deltares.nn.stack import with_layer_layout
-from deltares.training.experiment import flat_fields, validate_config
+from deltares.training.experiment import field_names, flat_fields, validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from deltares.training.scoring import evaluate
 from deltares.training.memory import PeakMemory
@@ -709,7 +709,7 @@ def cli() -> None:
     _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "List every config field (type, default, allowed values, help).")
     from deltares import command_line
 
-    command_line.run(main)
+    command_line.run(main, config_fields=field_names)
 
 
 if __name__ == "__main__":

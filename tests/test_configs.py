@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from deltares.command_line import Domain
+from deltares.common.domains import Domain
 from deltares.training.experiment import parse_variant
 from deltares.nn.model import Transformer
 

@@ -14,7 +14,7 @@ from absl import flags
 
 from debug_runs import assert_each_fails_cleanly, debug_config, tree_digest
 from deltares import command_line
-from deltares.command_line import INT_LIMIT, Domain
+from deltares.common.domains import INT_LIMIT, Domain
 from deltares.nn.config import MODEL_FIELDS
 from deltares.training.experiment import BASE_FIELDS, validate_config
 from jax_cache import ROOT
@@ -49,7 +49,7 @@ def command_flags(monkeypatch):
     def define(module_name):
         module = __import__(module_name, fromlist=["cli"])
         before = set(flags.FLAGS)
-        monkeypatch.setattr(command_line, "run", lambda main, quiet_libtpu=True: None)
+        monkeypatch.setattr(command_line, "run", lambda main, **kwargs: None)
         module.cli()
         new = sorted(set(flags.FLAGS) - before)
         defined.extend(new)
@@ -88,7 +88,7 @@ def test_every_numeric_flag_refuses_values_outside_its_range_in_one_line(module,
     for name, flag in numeric.items():
         domain = getattr(flag, "domain", None)
         if not isinstance(domain, Domain):
-            failures.append(f"--{name}: no range declared (command_line.define_number)")
+            failures.append(f"--{name}: no range declared (define_number)")
             continue
         probes = INT_PROBES if isinstance(flag.parser, flags.IntegerParser) else FLOAT_PROBES
         refused = 0

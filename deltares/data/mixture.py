@@ -13,7 +13,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from deltares.command_line import POSITIVE
+from deltares.common.domains import POSITIVE
 from deltares.data.dataset import TokenData
 from deltares.data.documents import DataError
 

@@ -53,7 +53,7 @@ from absl import app, flags
 from etils import epath
 from tqdm import tqdm
 
-from deltares.command_line import Domain
+from deltares.common.domains import Domain
 from deltares.data import paths
 from deltares.data import documents
 from deltares.data.documents import (
@@ -457,19 +457,19 @@ def cli() -> None:
     global _SOURCE, _TOKENIZER, _OUT, _VAL, _HF_CONFIG, _HF_SPLIT, _TEXT_FIELD, _MAX_DOCS, _WORKERS, _SHARD
     global _NUM_SHARDS, _OVERWRITE
     from deltares import command_line
-    from deltares.command_line import AT_LEAST_1, NON_NEGATIVE
+    from deltares.common.domains import AT_LEAST_1, NON_NEGATIVE, define_number
 
     _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text, Parquet or JSON Lines files or globs "
                                   "(comma-separated), or hf:NAME.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
     _OUT = flags.DEFINE_string("out", None, "Output directory (a local path or a gs:// or s3:// URL).")
-    _VAL = command_line.define_number(flags.DEFINE_float, "val_fraction", 0.02,
+    _VAL = define_number(flags.DEFINE_float, "val_fraction", 0.02,
                                       "Fraction of documents held out for validation (by hash).", VAL_FRACTION)
     _HF_CONFIG = flags.DEFINE_string("hf_config", None, "Hugging Face dataset configuration name.")
     _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to read.")
     _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "The field of a record (Parquet, JSON Lines, Hugging "
                                       "Face) holding its text.")
-    integer = functools.partial(command_line.define_number, flags.DEFINE_integer)
+    integer = functools.partial(define_number, flags.DEFINE_integer)
     _MAX_DOCS = integer("max_docs", None, "Keep the first N documents of the source (held-out ones included; a "
                         "non-empty record is a document).", AT_LEAST_1)
     _WORKERS = integer("workers", 1, "Processes tokenizing units at once.", AT_LEAST_1)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 import jax
 import jax.numpy as jnp
 
-from deltares.command_line import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Domain
+from deltares.common.domains import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Domain
 from deltares.nn.attention import ATTENTION_IMPLS
 from kernels_pallas.depth_route.api import IMPLEMENTATIONS as ROUTING_IMPLS  # config.model.residual.impl
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from deltares.command_line import AT_LEAST_1, MESH_AXIS, NON_NEGATIVE, POSITIVE, Domain
+from deltares.common.domains import AT_LEAST_1, MESH_AXIS, NON_NEGATIVE, POSITIVE, Domain
 from deltares.nn.config import (
     BLOCK_MODES, MODEL_FIELDS, MODES, Field, build_config, check_fields, describe, model_config, validate_model_config,
     with_defaults,

@@ -161,10 +161,10 @@ options+=("${SBATCH[@]}")
 
 # shellcheck disable=SC2016 # expanded in the job
 if ((REQUEUE)); then
-  resume='echo "deltares: the trainers stopped (exit $rc) at a saved step; requeueing the job"
+  resume='echo "deltares: the trainers stopped (exit $rc); requeueing the job, which resumes from the last checkpoint"
   scontrol requeue "$SLURM_JOB_ID" && exit 0'
 else
-  resume='echo "deltares: the trainers stopped (exit $rc) at a saved step; submit this job again to resume"'
+  resume='echo "deltares: the trainers stopped (exit $rc); submit this job again to resume from the last checkpoint"'
 fi
 
 job_script() {

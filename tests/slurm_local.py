@@ -1,22 +1,23 @@
-"""A SLURM cluster on this machine, for tests/test_slurm.py and for trying `launch/slurm.sh` on a laptop.
+"""A SLURM cluster on this machine, for tests/test_slurm.py and for trying `launch/slurm.sh` on a laptop
+(docs/guides/scaling-out.md, "Try it on one machine"). As root, from the checkout:
 
-    sudo python -m tests.slurm_local start /tmp/deltares-slurm
+    python -m tests.slurm_local start /tmp/deltares-slurm
     export SLURM_CONF=/tmp/deltares-slurm/slurm.conf
-    sudo python -m tests.slurm_local stop /tmp/deltares-slurm
+    python -m tests.slurm_local stop /tmp/deltares-slurm
 
 `start` writes a `slurm.conf` into the folder (made if missing; every file of the cluster stays in it)
 and starts Debian's `munged`, `slurmctld` and one `slurmd` per node, all on localhost: nodes `n1`,
-`n2`, ... (`--nodes`, default 2), each with every CPU and its share of the memory of this machine and
-no GPUs. It needs root (slurmd starts each job as the user who submitted it) and the packages
-`slurm-wlm` and `munge`. Partitions: `debug` (the default) and `nograce` hold the jobs to try;
-a job in `urgent` preempts them: one in `debug` gets SIGTERM and `--grace` seconds (default 20)
-before it is killed, one in `nograce` none, and both are then requeued. The settings that make a
-cluster of one machine quick: a requeued job waits `--requeue-delay` seconds (default 5; SLURM's
-default is 120), a killed job's processes get `--kill-wait` seconds (default 30) between SIGTERM
-and SIGKILL. SLURM checks time limits and sends `--signal`s every 30 seconds, whatever the config.
-`stop` cancels every job, waits for them to end and stops the daemons.
+`n2`, ... (`--nodes`, default 2), each with every CPU, its share of half the memory of this machine
+and no GPUs. It needs root (slurmd starts each job as the user who submitted it) and the packages
+`slurm-wlm` and `munge`; the cgroup plugins are off (tasks are bound to their CPUs by
+task/affinity). Partitions: `debug` (the default) and `nograce` hold the jobs to try; a job in
+`urgent` preempts them: one in `debug` gets SIGTERM and `--grace` seconds (default 20) before it is
+killed, one in `nograce` none, and both are then requeued. The settings that make a cluster of one
+machine quick: a requeued job waits `--requeue-delay` seconds (`cred_expire`, default 5; SLURM's is
+120), a killed job's processes get `--kill-wait` seconds (default 30) between SIGTERM and SIGKILL.
+SLURM checks time limits and sends `--signal`s every 30 seconds, whatever the config. `stop`
+cancels every job, waits for them to end and stops the daemons.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -164,8 +165,8 @@ class Cluster:
     def _daemon(self, *command: str) -> None:
         res = subprocess.run(command, capture_output=True, text=True, env=self.env, timeout=60)
         if res.returncode:
-            raise RuntimeError(f"{os.path.basename(command[0])} did not start: {res.stderr.strip() or res.stdout.strip()}"
-                               f" (its log is in {self.folder})")
+            said = res.stderr.strip() or res.stdout.strip()
+            raise RuntimeError(f"{os.path.basename(command[0])} did not start: {said} (its log is in {self.folder})")
 
     def wait_idle(self, timeout: float) -> None:
         deadline, states = time.monotonic() + timeout, ""
@@ -177,17 +178,20 @@ class Cluster:
         raise RuntimeError(f"the nodes are not idle after {timeout:.0f}s: {states.strip() or 'no answer'}")
 
     def pids(self) -> dict[str, int]:
-        """{pid file: pid} of the daemons that run."""
+        """{pid file: pid} of this cluster's daemons that run (a stale pid file's pid, now another
+        process's, is not one: its command line does not name this folder)."""
         out = {}
         for name in sorted(os.listdir(self.folder)) if os.path.isdir(self.folder) else ():
             if name.endswith(".pid"):
                 try:
                     with open(os.path.join(self.folder, name)) as f:
                         pid = int(f.read().split()[0])
-                    os.kill(pid, 0)
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        command = f.read().decode(errors="replace")
                 except (OSError, ValueError, IndexError):
                     continue
-                out[name] = pid
+                if self.folder + "/" in command:
+                    out[name] = pid
         return out
 
     def jobs(self) -> list[str]:

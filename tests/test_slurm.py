@@ -233,9 +233,10 @@ def scenario(cluster, builtin_dataset, reference, tmp_path_factory):
 
     started = time.monotonic()
     jobs = [
-        # restart 2 waits for SLURM's next time-limit check (up to 30 s): slower steps; the last attempt: none
+        # restart 2 waits for SLURM's next time-limit check (up to 30 s): slow steps, so that it stops within
+        # the run's 30; the last attempt: none
         trainers("single", ["--time", str(TIME), "--save-before", str(SAVE_BEFORE), "--sbatch=--nodelist=n1"],
-                 "0.3,0.3,1.5,0", [(preempt, None), (requeue, None), (time_limit, restore_time_limit)]),
+                 "0.3,0.3,3,0", [(preempt, None), (requeue, None), (time_limit, restore_time_limit)]),
         # the nodes' names do not resolve here: the coordinator's address is given
         trainers("cluster", ["--nodes", "2", "--sbatch=--nodelist=n2,n3"], "0.3,0.3,0",
                  [(scancel_term, None), (node_failure, node_back)], processes=2,
@@ -305,7 +306,7 @@ def test_preemption_with_a_grace_time_saves_and_the_job_requeues_itself(scenario
     job = scenario["jobs"]["single"]
     first = job.attempts()[0]
     assert "DUE TO PREEMPTION" not in first  # the trainer saved and the job requeued itself within the grace time
-    assert re.search(r"SIGTERM: saved step \d+ .*\n(.*\n)*deltares: the trainers stopped \(exit 75\) at a saved step; "
+    assert re.search(r"SIGTERM: saved step \d+ .*\n(.*\n)*deltares: the trainers stopped \(exit 75\); "
                      r"requeueing the job", first), first
     preemptor = scenario["cluster"].run("scontrol", "show", "job", "-o", job.preemptor)
     assert "JobState=COMPLETED" in preemptor and "Partition=urgent" in preemptor

@@ -336,6 +336,9 @@ RULES = (
          extra=("--sizes", "1", "--read_seconds", "1", "--workers", "2", "--shards", "1", "--formats", "jsonl.zst"),
          reason="1 MB of .jsonl.zst records, 2 workers (the full benchmark prepares 1.1 GB of each format in 4 ways; "
                 "tests/test_prepare.py prepares every format)"),
+    Rule("SLURM on this machine", r"^python -m tests\.slurm_local (start|stop) ", "not_run",
+         reason="needs root and slurm-wlm, and starts daemons: tests/test_slurm.py runs these two commands (with "
+                "--nodes 4, in a folder of its own) around its jobs, and the launcher's jobs on that cluster"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu|slurm)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
     Rule("GPU measurement script", r"^(bash )?launch/gpu_bench\.sh ", "launch", check="launch",

@@ -1,10 +1,10 @@
 """launch/tpu.sh, launch/gpu.sh, launch/slurm.sh and launch/gpu_bench.sh: the commands they print
 (--dry-run) and run.
 
-No cloud, cluster or GPU needed: the real (non-dry) paths run against a fake `gcloud`, `sbatch`,
-`srun` or `scontrol` on PATH, or a fake venv `python`, that log their arguments. The SLURM job
-script itself runs with a fake `srun` and trainer (its command line runs for real, as 2
-processes, in tests/test_multihost.py). With `FAKE_HOME` the fake
+No cloud, cluster or GPU needed: the real (non-dry) paths run against a fake `gcloud` or `sbatch`
+on PATH, or a fake venv `python`, that log their arguments. The SLURM job script itself runs on a
+real SLURM in tests/test_slurm.py (and its command line as 2 processes in tests/test_multihost.py);
+here only what needs none: its options, its checks and the submission. With `FAKE_HOME` the fake
 `gcloud` also runs each `ssh --command` in that directory, as one worker would: the
 detached start, the log and pid files and `--stop` run for real there, with a fake
 trainer that saves and exits on SIGTERM.
@@ -12,6 +12,7 @@ trainer that saves and exits on SIGTERM.
 
 import concurrent.futures
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -537,34 +538,55 @@ def test_slurm_dry_run_prints_the_job_and_the_submission(tmp_path):
     venv = tmp_path / "venv"
     script, options, srun, cmds = slurm_job([
         *SLURM_ARGS, "--nodes", "4", "--gpus-per-node", "8", "--time", "24:00:00", "--partition", "gpu",
-        "--account=lab", "--sbatch=--qos=high", "--sbatch", "--exclusive", "--venv", str(venv), "--requeue",
+        "--account=lab", "--sbatch=--qos=high", "--sbatch", "--constraint=h100", "--venv", str(venv), "--requeue",
         "--save-before", "600", "--job-name", "s7b6", "--", *OVERRIDES])
     assert script.startswith("#!/bin/bash\n")
     assert options == [
-        "--job-name=s7b6", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=24:00:00",
-        "--partition=gpu", "--account=lab", f"--chdir={ROOT}", "--output=runs/slurm/s7b6-%j.log", "--open-mode=append",
-        "--signal=B:USR1@600", "--requeue", "--qos=high", "--exclusive"]
+        "--job-name=s7b6", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive", "--mem=0",
+        "--time=24:00:00", "--partition=gpu", "--account=lab", f"--chdir={ROOT}", "--output=runs/slurm/s7b6-%j.log",
+        "--open-mode=append", "--signal=B:USR1@600", "--requeue", "--qos=high", "--constraint=h100"]
     assert srun == ["srun", "--kill-on-bad-exit=1", "env", "JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7",
-                    f"{venv}/bin/python", "-m", "deltares.train", *SLURM_ARGS, *OVERRIDES, "&"]
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+                    f"{venv}/bin/python", "-m", "deltares.train", *SLURM_ARGS, "--stopped_exit_code=75", *OVERRIDES, "&"]
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert not re.search(r"\bkill -", script)  # SIGTERM to srun would kill the trainers unsaved
     assert cmds == [["cd", ROOT], ["mkdir", "-p", "runs/slurm"], ["sbatch", "--parsable", "runs/slurm/s7b6.sbatch"]]
 
 
-def test_slurm_defaults_container_and_env(tmp_path):
+def test_slurm_defaults_cpu_nodes_resources_container_and_env(tmp_path):
     env = clean_env(DELTARES_CONFIG="experiments/tiny.py:delta", DELTARES_WORKDIR="runs/y")
     script, options, srun, _ = slurm_job([], env=env)
-    assert options == ["--job-name=deltares", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=8",
-                       f"--chdir={ROOT}", "--output=runs/slurm/deltares-%j.log", "--open-mode=append",
-                       "--signal=B:USR1@300"]
-    assert "scontrol" not in script and "submit this job again to resume" in script
-    assert srun[-9:] == ["JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7", f"{ROOT}/.venv/bin/python", "-m", "deltares.train",
-                         "--config", "experiments/tiny.py:delta", "--workdir", "runs/y", "&"]
+    assert options == ["--job-name=deltares", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive",
+                       "--mem=0", f"--chdir={ROOT}", "--output=runs/slurm/deltares-%j.log", "--open-mode=append",
+                       "--signal=B:USR1@300", "--requeue"]
+    assert srun[-10:] == ["JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7", f"{ROOT}/.venv/bin/python", "-m", "deltares.train",
+                          "--config", "experiments/tiny.py:delta", "--workdir", "runs/y", "--stopped_exit_code=75", "&"]
+    # nodes without GPUs, set CPUs and memory, no requeue
+    script, options, srun, _ = slurm_job([*SLURM_ARGS, "--gpus-per-node", "0", "--cpus-per-node", "16", "--mem=64G",
+                                          "--no-requeue"])
+    assert not [o for o in options if o.startswith(("--gpus", "--exclusive"))]
+    assert options[3:5] == ["--cpus-per-task=16", "--mem=64G"] and options[-1] == "--no-requeue"
+    assert srun[:5] == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=16", "env", "JAX_PLATFORMS=cpu"]
+    assert "scontrol requeue \"$SLURM_JOB_ID\"" not in script and "submit this job again to resume" in script
     _, _, srun, _ = slurm_job([*SLURM_ARGS, "--container", "nvcr.io/nvidia/jax:25.04", "--mounts", "/data:/data",
                                "--gpus-per-node", "2"])
     assert srun[:5] == ["srun", "--kill-on-bad-exit=1", "--container-image=nvcr.io/nvidia/jax:25.04",
                         f"--container-mounts={ROOT}:{ROOT},/shared/runs:/shared/runs,/data:/data",
                         f"--container-workdir={ROOT}"]
     assert srun[5:9] == ["env", "JAX_LOCAL_DEVICE_IDS=0,1", "python3", "-m"]  # the image's python
+
+
+@pytest.mark.parametrize("time_, save_before, ok", [
+    ("5", "299", True), ("5", "300", False), ("5:00", "300", False), ("0:30", "59", True), ("0:30", "60", False),
+    ("1:00:00", "3599", True), ("1-0", "86399", True), ("1-00:00:01", "86400", True), ("2-3:4:5", "500000", False),
+    ("unlimited", "999999", True), ("INFINITE", "300", True), ("0", "300", True),
+])
+def test_slurm_save_before_must_be_less_than_the_time_limit(time_, save_before, ok):
+    """SLURM reads --time in minutes (seconds round up to a minute); `0` and `unlimited` have no limit."""
+    args = ["--dry-run", *SLURM_ARGS, "--time", time_, "--save-before", save_before]
+    if ok:
+        assert run(SLURM, args).returncode == 0
+    else:
+        check_one_line_error(run(SLURM, args), f"--save-before {save_before} is not less than --time {time_} (")
 
 
 def test_slurm_job_shown_in_the_docs_is_the_one_written():
@@ -588,9 +610,31 @@ def test_slurm_job_shown_in_the_docs_is_the_one_written():
     ([*SLURM_ARGS, "--gpus", "8"], "unknown argument '--gpus'"),
     ([*SLURM_ARGS, "--nodes", "99999999999"], "below 1000000"), ([*SLURM_ARGS, "--save-before", "nan"],
     "--save-before must be"), ([*SLURM_ARGS, "--gpus-per-node", "-1"], "--gpus-per-node must be"),
+    ([*SLURM_ARGS, "--cpus-per-node", "0"], "--cpus-per-node must be"), ([*SLURM_ARGS, "--mem", "lots"], "--mem must be"),
+    ([*SLURM_ARGS, "--mem", "0"], "--mem must be"), ([*SLURM_ARGS, "--time", "1h"], "--time must be as sbatch takes it"),
+    ([*SLURM_ARGS, "--time", "-5"], "--time must be"), ([*SLURM_ARGS, "--save-before", "0"], "--save-before must be"),
 ])
 def test_slurm_bad_settings_are_one_line_errors(args, needle):
     check_one_line_error(run(SLURM, ["--dry-run", *args]), needle)
+
+
+def test_slurm_local_says_why_it_cannot_start(monkeypatch, tmp_path):
+    """tests/test_slurm.py skips with this reason (or, with DELTARES_REQUIRE_SLURM=1, fails with it)."""
+    import slurm_local
+
+    monkeypatch.setattr(slurm_local, "find", lambda program: None if program in ("slurmd", "munged") else "/bin/true")
+    assert slurm_local.unavailable().startswith("munged, slurmd not found: install Debian's slurm-wlm and munge")
+    monkeypatch.setattr(slurm_local, "find", lambda program: "/bin/true")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert slurm_local.unavailable() == "starting SLURM's daemons needs root (slurmd starts each job as its user)"
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    expected = slurm_local.unavailable()  # this machine's binaries, and no root
+    res = subprocess.run([sys.executable, "-c", "import os, runpy, sys; os.geteuid = lambda: 1000; sys.argv[1:] = "
+                          f"['start', {str(tmp_path)!r}]; runpy.run_module('tests.slurm_local', run_name='__main__')"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and res.stderr.splitlines() == [f"error: {expected}"], res.stderr
+    assert os.listdir(tmp_path) == []  # nothing written
 
 
 def fake_bin(tmp_path, **scripts):
@@ -618,59 +662,6 @@ def test_slurm_submits_the_job_it_prints(tmp_path):
     path = fake_bin(tmp_path, sbatch='echo "sbatch: error: Invalid account" >&2; exit 1')
     check_one_line_error(run(SLURM, args, env=clean_env(PATH=path)), "sbatch refused", "Invalid account")
     check_one_line_error(run(SLURM, [*SLURM_ARGS, "--venv", str(tmp_path / "none")]), "none/bin/python not found")
-
-
-# The job step's stand-ins: srun runs its command (srun's options dropped) and passes SIGTERM on, as the
-# real one does to its tasks; the trainer logs its start and its variables, and on SIGTERM "saves" and exits 0.
-FAKE_SRUN = """while [[ $1 == --* ]]; do shift; done
-"$@" & task=$!
-trap 'kill -TERM $task' TERM
-wait $task
-wait $task
-"""
-FAKE_STEP_TRAINER = """sleep "$FAKE_TRAIN_SECONDS" & steps=$!
-trap 'kill $steps; echo saved >> "$FAKE_LOG"; exit 0' TERM
-echo "started $JAX_LOCAL_DEVICE_IDS $*" >> "$FAKE_LOG"
-wait $steps
-echo finished >> "$FAKE_LOG"
-"""
-
-
-@pytest.mark.parametrize("requeue, signal_, log, requeued", [
-    (True, "USR1", ["saved"], True),  # the time limit is near: save, then back to the queue
-    (False, "USR1", ["saved"], False),  # the same without --requeue: saved, and the log says to resubmit
-    (True, "TERM", ["saved"], False),  # scancel or a preemption: SLURM itself cancels or requeues
-    (True, None, ["finished"], False),  # the run reaches its last step
-])
-def test_slurm_job_saves_before_the_time_limit_and_requeues(tmp_path, requeue, signal_, log, requeued):
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").write_text("#!/usr/bin/env bash\n" + FAKE_STEP_TRAINER)
-    (venv / "bin" / "python").chmod(0o755)
-    script = slurm_job([*SLURM_ARGS, "--venv", str(venv), "--gpus-per-node", "2", *(["--requeue"] * requeue)])[0]
-    (tmp_path / "job.sbatch").write_text(script)
-    fake_log = tmp_path / "trainer.log"
-    env = clean_env(PATH=fake_bin(tmp_path, srun=FAKE_SRUN, scontrol=f'echo "$*" >> {tmp_path}/scontrol.log'),
-                    FAKE_LOG=str(fake_log), FAKE_TRAIN_SECONDS="0" if signal_ is None else "30", SLURM_JOB_ID="42")
-    job = subprocess.Popen([BASH, str(tmp_path / "job.sbatch")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not (fake_log.exists() and "started" in fake_log.read_text()):
-            assert time.monotonic() < deadline and job.poll() is None
-            time.sleep(0.05)
-        if signal_:
-            job.send_signal(getattr(signal, "SIG" + signal_))
-        out, _ = job.communicate(timeout=30)
-    finally:
-        job.kill()
-    assert job.returncode == 0, out
-    lines = fake_log.read_text().splitlines()
-    assert lines[0] == f"started 0,1 -m deltares.train {' '.join(SLURM_ARGS)}" and lines[1:] == log
-    assert (tmp_path / "scontrol.log").exists() == requeued
-    if requeued:
-        assert (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
-    assert ("submit this job again" in out) == (signal_ == "USR1" and not requeue)
 
 
 # ---------------------------------------------------------------- lint

@@ -29,6 +29,7 @@ Imports nothing else of deltares.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from etils import epath
@@ -132,10 +133,10 @@ def resolve(path, flag: str = "--out") -> str:
     local = os.path.abspath(os.path.expanduser(path))
     try:
         return os.path.realpath(local, strict=True)
-    except FileNotFoundError:
-        pass
     except OSError as err:
-        raise OutputError(f"{flag} {path}: {err.strerror.lower()} (a symbolic link that leads back to itself)") from None
+        if err.errno == errno.ELOOP:
+            raise OutputError(f"{flag} {path}: too many levels of symbolic links (a link that leads back to "
+                              "itself)") from None
     if os.path.islink(local):
         raise OutputError(f"{flag} {path} is a symbolic link to {os.readlink(local)}, which does not exist; give "
                           "the folder or file itself")
@@ -152,20 +153,37 @@ def within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
+def _new_run_entry(real: str, folder: str) -> bool:
+    """Whether `real` is an entry directly in the run `folder` that is none of the run's own (its analysis)."""
+    entry = os.path.relpath(real, folder)
+    return os.sep not in entry and entry not in RUN_LAYOUT and entry != os.curdir and kind(folder) == RUN
+
+
 def _enclosing(real: str, owner: str | None):
     """(root, kind) of the innermost run, dataset or model that holds `real`, where it may not be written
     (see the module docstring), or None."""
     folder = os.path.dirname(real)
     while True:
         found = kind(folder)
-        if found in KEPT and not (owner is not None and folder == owner):
-            entry = os.path.relpath(real, folder)
-            if not (found == RUN and os.sep not in entry and entry not in RUN_LAYOUT):
-                return folder, found
+        if found in KEPT and not (owner is not None and folder == owner) and not _new_run_entry(real, folder):
+            return folder, found
         parent = os.path.dirname(folder)
         if parent == folder:
             return None
         folder = parent
+
+
+def check_place(path, flag: str, owner=None, shown: str | None = None) -> None:
+    """OutputError when the local path `path` lies inside a run, a dataset or a model where nothing may be
+    written (see the module docstring); `owner`: the command's own run directory."""
+    if is_remote(path):
+        return
+    real = _input(path)
+    enclosing = _enclosing(real, None if owner is None else _input(owner))
+    if enclosing is not None:
+        root, found = enclosing
+        raise OutputError(f"{flag} {shown or path} is inside {found} ({root}); write outside it" +
+                          (", or into a new folder directly in it" if found == RUN else ""))
 
 
 def _kept_below(real: str):
@@ -194,8 +212,8 @@ def check_output(out, *, writes: str, inputs=(), flag: str = "--out", overwrite:
         shown = f"{shown} (a link to {real})"
     for path in map(_input, inputs):
         if path == real:
-            raise OutputError(f"{flag} {shown} is an input of this command; write to another path")
-        if within(real, path):
+            raise OutputError(f"{flag} {shown} is also what this command reads; write to another path")
+        if within(real, path) and not _new_run_entry(real, path):
             raise OutputError(f"{flag} {shown} is inside the input {path}; write outside it")
         if writes == "folder" and within(path, real):
             raise OutputError(f"{flag} {shown} contains the input {path}, which replacing it would delete; "
@@ -203,13 +221,7 @@ def check_output(out, *, writes: str, inputs=(), flag: str = "--out", overwrite:
         if writes == "folder" and within(path, staging(real)):
             raise OutputError(f"the input {path} is where {flag} {shown} is built ({staging(real)}); rename it "
                               f"or choose another {flag}")
-    if not is_remote(real):
-        enclosing = _enclosing(real, None if owner is None else _input(owner))
-        if enclosing is not None:
-            root, found = enclosing
-            raise OutputError(f"{flag} {shown} is inside {found} ({root}); write outside it" +
-                              (f", or into a new folder directly in it such as {os.path.join(root, 'analysis')}"
-                               if found == RUN else ""))
+    check_place(real, flag, owner, shown)
     is_dir = epath.Path(real).is_dir()
     if writes == "file":
         if is_dir:

@@ -85,14 +85,17 @@ def swap_in(built, final) -> None:
               f"delete {aside} yourself", file=sys.stderr)
 
 
-def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out") -> None:
+def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out",
+                shown: str | None = None) -> None:
     """`write(folder)` fills a new, empty folder beside the local folder `out` (a link's target), which gets it
     only once `write` returns: a failure leaves `out` as it was and no partial folder. A non-empty `out` is
-    refused before `write` runs (FileExistsError, one line naming what it holds) unless `overwrite`; what
-    may be written at all is deltares.common.outputs.check_output's to say, before this."""
+    refused before `write` runs (FileExistsError, one line naming what it holds, `out` as the user gave it:
+    `shown`) unless `overwrite`; what may be written at all is deltares.common.outputs.check_output's to say,
+    before this."""
     held = contents(out)
     if held is not None and not overwrite:
-        raise FileExistsError(f"{flag} {out} holds {held}; pass --overwrite to replace it, or choose a new {flag}")
+        raise FileExistsError(f"{flag} {shown or out} holds {held}; pass --overwrite to replace it, or choose a new "
+                              f"{flag}")
     final = resolve(out, flag)
     built = staging(final)
     shutil.rmtree(built, ignore_errors=True)  # a killed command's leftover: never a whole output

@@ -1,7 +1,8 @@
 """A run directory checked before a run starts, and the lock that keeps one trainer per run directory.
 
 `check_workdir` refuses, before anything is compiled or written, a run directory that cannot hold
-a run: a folder that holds something else (a dataset, a Hugging Face model, other files), a file
+a run: a folder that holds something else (a dataset, a Hugging Face model, other files) or lies inside
+one (deltares.common.outputs.check_place), a file
 where the directory or one of its folders must be, a folder where a file must be, or a place that
 cannot be written (read-only, no permission).
 
@@ -23,7 +24,7 @@ import uuid
 from etils import epath
 
 from deltares.common.lock import HEARTBEAT_S, STALE_AFTER_S, FileLock, LockError, _process_start  # noqa: F401
-from deltares.common.outputs import RUN_LAYOUT as LAYOUT, RUN_LOCK as LOCK
+from deltares.common.outputs import RUN_LAYOUT as LAYOUT, RUN_LOCK as LOCK, OutputError, check_place
 from deltares.data import paths
 
 
@@ -40,6 +41,10 @@ def check_workdir(workdir: str) -> None:
             if not parent.is_dir():
                 raise WorkdirError(f"cannot use {workdir} as a run directory: {parent} is a file")
             break
+    try:
+        check_place(workdir, "--workdir")  # not inside a dataset, a model, or another run's own folders
+    except OutputError as err:
+        raise WorkdirError(str(err)) from None
     if (other := _not_a_run(root)) is not None:
         raise WorkdirError(f"{workdir} holds {other}, not a run; use a new or empty --workdir")
     for name, kind in LAYOUT.items():

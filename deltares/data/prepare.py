@@ -332,6 +332,8 @@ class _Workers:
             for future in concurrent.futures.as_completed(futures):
                 yield future.result()
         except concurrent.futures.process.BrokenProcessPool:
+            with interrupts.whole():  # an interrupt that ended the workers holds it: the process ends from there
+                pass
             raise DataError("a worker process of prepare died (out of memory? see the system log); run the same "
                             "command again to resume, with fewer --workers if it was memory") from None
         finally:

@@ -13,7 +13,7 @@ training throughput over the logged windows, and the largest `peak_bytes`
 
 Groups of seeds (`--group`; `--seed_pattern`, `--baseline`, `--json` and `--depth_figure` imply it):
 
-    python -m deltares.compare runs/seeds/* --group --out results.md
+    python -m deltares.compare runs/seeds/* --group --out seeds.md
     python -m deltares.compare 'runs/seeds/delta_block_s*' runs/seeds/baseline_s0 --json groups.json
     python -m deltares.compare runs/deep/* --depth_figure depth_ppl.png --seed_pattern '_seed\d+$'
 

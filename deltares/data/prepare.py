@@ -13,8 +13,12 @@ large the corpus, and every record is read by one unit only. `--workers N` token
 processes. `--shard I --num_shards N` tokenizes only the units I, I + N, ... : every host of a pod
 runs it with its own I into the same output directory (a local path or a bucket), and the host that
 finishes the last unit writes `meta.json`. Each finished unit is recorded in a ledger, so a
-prepare that was killed resumes without redoing it (and says how many units were done). Whatever
-the workers or shards, the token stream is the same: the units' documents in source order.
+prepare that was killed resumes without redoing it (and says how many units were done); the ledger
+holds what the unit read (its file's size and modification time, a fingerprint of its documents),
+and a unit whose source changed since is named and tokenized again, also in a complete dataset.
+Whatever the workers or shards, the token stream is the same: the units' documents in source order.
+The workers end with this process however it ends (SIGKILL too), and a Ctrl-C while they start or
+work is the parent's one line.
 
 The output directory (format 2, see deltares.data.shards for the token files):
 - `train/<unit>.bin`, `val/<unit>.bin`: every document's tokens followed by end-of-text;
@@ -35,6 +39,10 @@ An `--out` that holds anything but this input's dataset (whole or in part) is re
 the new dataset is built in `<out>.partial` beside it and swapped in only when complete, so a source
 that fails leaves the old dataset whole (a killed one is resumed by the same command). On a bucket,
 which cannot rename a folder, the old dataset is deleted and the new one moved in only once it is complete.
+Where `--out` may be is deltares.common.outputs' to say, with or without `--overwrite`: never a source,
+inside one or around one, never a run, a model or a folder holding one, nor inside a run, a dataset or
+a model (a link is followed: its target is replaced). One prepare writes an `--out` at a time: it holds
+the lock `<out>.lock` beside it (see `_lock`).
 """
 
 from __future__ import annotations
@@ -725,7 +733,8 @@ def cli() -> None:
     _SHARD = integer("shard", 0, "This host's share of the units: I of --num_shards (less than it).", NON_NEGATIVE)
     _NUM_SHARDS = integer("num_shards", 1, "Hosts sharing the units (each runs with its --shard).", AT_LEAST_1)
     _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace what --out holds (a dataset of other input, or "
-                                   "anything else): built beside it in <out>.partial, swapped in when complete.")
+                                   "other files): built beside it in <out>.partial, swapped in when complete; never "
+                                   "a source, a run, a model or a folder holding one.")
     command_line.run(main)
 
 

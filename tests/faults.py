@@ -1,6 +1,6 @@
 """Fault injection against debug runs: every fault of issue 22, with what each ended in, as a table.
 
-    python tests/faults.py                 # all faults (about 6 minutes on 2 CPU cores)
+    python tests/faults.py                 # all faults (about 10 minutes on 2 CPU cores)
     python tests/faults.py --only kill     # those whose name holds "kill"
     python tests/faults.py --out faults.md
 

@@ -51,7 +51,6 @@ import concurrent.futures
 import contextlib
 import ctypes
 import functools
-import glob
 import hashlib
 import json
 import multiprocessing
@@ -141,8 +140,8 @@ def _bpe_sample(plan: dict):
 
 def tokenize_unit(out_dir: str, plan: dict, index: int, tokenizer_json: str | None) -> dict:
     """Tokenizes unit `index` into its shard files and records it in the ledger (last, so a unit
-    counts as done only when its files are whole), with what it read (`unit_source`). Runs in a worker
-    process."""
+    counts as done only when its files are whole), with what it read (`_file_state`, `_Fingerprint`). Runs
+    in a worker process."""
     tokenizer = _unit_tokenizer(plan["tokenizer"], tokenizer_json)
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     start = time.perf_counter()
@@ -217,7 +216,7 @@ def _file_state(unit: dict) -> dict:
     return {"size": info.get("size"), "version": version}
 
 
-def source_change(plan: dict, index: int, recorded: dict) -> str | None:
+def _source_change(plan: dict, index: int, recorded: dict) -> str | None:
     """How the source of finished unit `index` changed since the ledger's `recorded` read of it (its size, its
     version on a bucket, the fingerprint of its documents), in words; None when it reads the same. A local
     file is read again (nothing is tokenized) to compare its content."""
@@ -241,7 +240,7 @@ def source_change(plan: dict, index: int, recorded: dict) -> str | None:
 
 def _check_unit(args) -> tuple[int, str | None]:
     plan, index, recorded = args
-    return index, source_change(plan, index, recorded)
+    return index, _source_change(plan, index, recorded)
 
 
 @functools.lru_cache(maxsize=1)
@@ -609,7 +608,7 @@ def _lock(out: str, plan: dict, shard: int) -> FileLock:
 
 def _redo_changed(work: epath.Path, plan: dict, shard: int, num_shards: int, pool: _Workers) -> None:
     """Checks the source of this shard's finished units against what their ledger records say they read
-    (`source_change`); a unit whose source changed is named in a warning and tokenized again (its
+    (`_source_change`); a unit whose source changed is named in a warning and tokenized again (its
     record deleted, and meta.json first: the dataset is no longer complete)."""
     done = _done(work)
     mine = [(plan, i, done[i]["source"]) for i in sorted(done)

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from contextlib import redirect_stderr
 
 import pytest

@@ -23,7 +23,7 @@ import uuid
 
 from etils import epath
 
-from deltares.common.lock import HEARTBEAT_S, STALE_AFTER_S, FileLock, LockError, _process_start  # noqa: F401
+from deltares.common.lock import STALE_AFTER_S, FileLock, LockError, _process_start  # noqa: F401 - tests read them here
 from deltares.common.outputs import RUN_LAYOUT as LAYOUT, RUN_LOCK as LOCK, OutputError, check_place
 from deltares.data import paths
 

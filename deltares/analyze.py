@@ -45,6 +45,7 @@ from deltares.training.checkpoint import load_checkpoint
 from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches, text_tokens
 from deltares.data.documents import DataError
+from deltares.common.outputs import OutputError, check_output
 from deltares.data.paths import write_file_whole, write_text_atomic
 from deltares.data.run_data import run_dataset_path
 from deltares.interop.inference import check_params
@@ -378,10 +379,12 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
         raise AnalysisError("no run given: pass --workdir (or --checkpoint) at least once")
     if batch < 1 or max_batches < 1:
         raise AnalysisError("--batch and --max_batches must be positive")
+    if out:
+        out = check_analysis_out(out, paths, data)
     runs = [load_run(p) for p in paths]
     names = [r.name for r in runs]
     runs = [r._replace(name=f"{r.name}_{i}") if names.count(r.name) > 1 else r for i, r in enumerate(runs)]
-    out = out or os.path.join(runs[0].workdir, "analysis")
+    out = out or check_analysis_out(os.path.join(runs[0].workdir, "analysis"), paths, data)
     results = []
     for run in runs:
         tokens, source = held_out_tokens(run, data)
@@ -414,6 +417,17 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
                   figures={k: _local(v) for k, v in figures.items()})
     write_text_atomic(os.path.join(out, "routing.json"), json.dumps(report, indent=1))
     return report
+
+
+def check_analysis_out(out: str, paths: list[str], data: str | None) -> str:
+    """The folder analyze writes into (a link's target), checked before anything is written
+    (deltares.common.outputs): never a run, a dataset or a folder of one (but a new folder directly in a
+    run, such as the default `<run>/analysis`), nor an input; AnalysisError saying why not."""
+    inputs = list(paths) + ([data] if data and os.path.exists(data) else [])
+    try:
+        return check_output(out, writes="files", inputs=inputs)
+    except OutputError as err:
+        raise AnalysisError(str(err)) from None
 
 
 def summary_table(report: dict) -> str:

@@ -22,6 +22,8 @@ import threading
 
 from absl import app, flags
 
+from deltares.common import interrupts, lock
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -199,7 +201,7 @@ def _one_line_errors(main):
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as a shell reports it
 _note = {"doing": "starting", "left": "nothing was written"}
 _cleanups: list = []
-_whole = threading.RLock()  # held by a write that must not be cut short; the exit path takes it for good
+_whole = interrupts.WHOLE  # held by a write that must not be cut short; the exit path takes it for good
 _watching = False
 
 
@@ -259,31 +261,45 @@ def on_interrupt(cleanup):
             _cleanups.remove(cleanup)
 
 
-@contextlib.contextmanager
-def whole():
-    """A block that an interrupt does not cut short: the process ends after it, not inside it."""
-    with _whole:
-        yield
+whole = interrupts.whole  # a block that an interrupt does not cut short
 
 
 def _exit_interrupted(sig: signal.Signals) -> None:
-    """Waits for a write that must be whole (and lets no other start), runs the cleanups, ends the
-    worker processes, prints the line and exits."""
+    """Waits for a write that must be whole (and lets no other start), runs the cleanups, releases the
+    locks this process holds, ends the worker processes, prints the line and exits."""
     _whole.acquire(timeout=30)
     for cleanup in reversed(_cleanups):
         try:
             cleanup()
         except Exception:  # noqa: BLE001, S110 - exiting anyway: the next run handles what is left
             pass
-    mp = sys.modules.get("multiprocessing")
-    for child in mp.active_children() if mp is not None else ():
-        child.terminate()
+    lock.release_all()
+    _end_worker_processes()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     line = f"error: interrupted by {sig.name} while {_note['doing']}" + (f"; {_note['left']}" if _note["left"] else "")
     os.write(2, f"\n{line}\n".encode())  # after a progress bar or the terminal's ^C
     os._exit(EXIT_CODES[sig])
+
+
+def _end_worker_processes() -> None:
+    """Ends the processes that `multiprocessing` started (a worker pool's: waited for, so that none is left
+    starting), then unlinks the named semaphores of its pools and queues, which `os._exit` would leave to
+    the resource tracker (it warns of them as leaked)."""
+    mp = sys.modules.get("multiprocessing")
+    children = mp.active_children() if mp is not None else []
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=10)
+    util, synchronize = sys.modules.get("multiprocessing.util"), sys.modules.get("multiprocessing.synchronize")
+    if util is None or synchronize is None:
+        return
+    for finalizer in list(getattr(util, "_finalizer_registry", {}).values()):
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            with contextlib.suppress(Exception):
+                finalizer()
 
 
 def run(main, quiet_libtpu: bool = True, config_fields=list) -> None:

@@ -1,6 +1,6 @@
 """Fault injection against debug runs: every fault of issue 22, with what each ended in, as a table.
 
-    python tests/faults.py                 # all faults (about 6 minutes on 2 CPU cores)
+    python tests/faults.py                 # all faults (about 10 minutes on 2 CPU cores)
     python tests/faults.py --only kill     # those whose name holds "kill"
     python tests/faults.py --out faults.md
 
@@ -495,6 +495,106 @@ def run_directory(bench):
     rows.append(row("compare of a run being written", found[0], "n/a" if marked else "NO (not marked)"))
     return rows
 
+
+# issue 48: outputs never land on inputs; one writer per output; workers end with their parent
+
+
+def outputs_and_writers(bench):
+    """Outputs onto inputs, runs, datasets and models through every command that writes (refused, nothing
+    changed), --overwrite through a link (the target replaced whole), two prepares into one --out at once,
+    a resume after its source changed, and prepare's workers when it is killed or interrupted."""
+    from test_data import make_docs, write_corpus
+
+    root = bench.dir("outputs")
+    os.makedirs(root)
+    sources = []
+    for i in range(2):
+        sources.append(os.path.join(root, "src", f"s{i}.txt"))
+        os.makedirs(os.path.dirname(sources[-1]), exist_ok=True)
+        write_corpus(sources[-1], make_docs(200, i, f"s{i}"))
+    run_copy, data_copy = bench.finished_copy("outputs_run"), dataset_copy(bench, "outputs_data")
+    existing = os.path.join(root, "table.md")
+    open(existing, "w").write("a table of before")
+
+    def prep(source, out, *extra):
+        return module_cmd("deltares.data.prepare", "--source", source, "--tokenizer", "bytes", "--val_fraction",
+                          "0.2", "--out", out, *extra)
+
+    cases = [
+        ("prepare --out contains its source, --overwrite", prep(sources[0], os.path.join(root, "src"), "--overwrite")),
+        ("prepare --out onto a run, --overwrite", prep(sources[0], run_copy, "--overwrite")),
+        ("prepare --out inside a dataset", prep(sources[0], os.path.join(data_copy, "train", "x"))),
+        ("convert --out onto its own run, --overwrite", module_cmd("deltares.convert", "--checkpoint", run_copy, "--out",
+                                                                   run_copy, "--overwrite")),
+        ("convert --out onto a dataset, --overwrite", module_cmd("deltares.convert", "--checkpoint", run_copy, "--out",
+                                                                 data_copy, "--overwrite")),
+        ("compare --out onto a run's metrics.jsonl, --overwrite", module_cmd(
+            "deltares.compare", run_copy, "--out", os.path.join(run_copy, "metrics.jsonl"), "--overwrite")),
+        ("compare --out onto a file that exists", module_cmd("deltares.compare", run_copy, "--out", existing)),
+        ("analyze --out onto a dataset", module_cmd("deltares.analyze", "--workdir", run_copy, "--out", data_copy)),
+        ("train --workdir inside a dataset", bench.cmd(os.path.join(data_copy, "run"))),
+    ]
+    before = tree_digest(bench.root)
+    rows = [row(name, run(cmd)) for name, cmd in cases]
+    changed = sorted(set(before.items()) ^ set(tree_digest(bench.root).items()))
+    for r in rows:
+        r["lost"] = "no" if not changed else f"YES ({len(changed)} files changed)"
+
+    target = os.path.join(root, "target")
+    prepare_run = run(prep(sources[1], target))
+    os.symlink(target, os.path.join(root, "link"))
+    proc = run(prep(sources[0], os.path.join(root, "link"), "--overwrite"))
+    meta = json.load(open(os.path.join(target, "meta.json"))) if prepare_run.returncode == 0 else {}
+    whole = meta.get("source") == sources[0] and os.path.islink(os.path.join(root, "link")) and not any(
+        n.endswith((".partial", ".lock")) or ".old-" in n for n in os.listdir(root))
+    rows.append(row("prepare --overwrite through a link", proc, "yes" if whole else "NO (target not replaced whole)"))
+
+    out = os.path.join(root, "two")
+    procs = [subprocess.Popen(module_cmd("deltares.data.prepare", "--source", source, "--tokenizer", "bpe:400",
+                                         "--val_fraction", "0.2", "--out", out), cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for source in sources]
+    done = [subprocess.CompletedProcess(p.args, p.wait(), *p.communicate()) for p in procs]
+    ok = [p for p in done if p.returncode == 0]
+    meta = json.load(open(os.path.join(out, "meta.json"))) if os.path.exists(os.path.join(out, "meta.json")) else {}
+    winner = [src for src, p in zip(sources, done) if p.returncode == 0]
+    rows.append(row("two prepares of different sources into one --out", next((p for p in done if p.returncode), done[0]),
+                    "n/a", "no" if len(ok) == 1 and meta.get("source") == winner[0] else
+                    f"YES ({len(ok)} succeeded)"))
+
+    resumed = os.path.join(root, "resumed")
+    run(prep(",".join(sources), resumed))
+    with open(sources[0], "a", encoding="utf-8") as f:
+        f.write("\n\nA document written after the unit was tokenized.\n")
+    proc = run(prep(",".join(sources), resumed))
+    fresh = os.path.join(root, "fresh")
+    run(prep(",".join(sources), fresh))
+    same = json.load(open(os.path.join(resumed, "meta.json"))) == json.load(open(os.path.join(fresh, "meta.json")))
+    rows.append(row("prepare rerun after a source changed", proc, "yes" if same else "NO (not the fresh dataset)"))
+
+    with open(os.path.join(root, "long.txt"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(make_docs(40000, 9, "long")))
+    shutil.copy(os.path.join(root, "long.txt"), os.path.join(root, "long2.txt"))
+    long_source = os.path.join(root, "long*.txt")
+    for name, sig, moment in (("prepare killed (SIGKILL) while its workers work", signal.SIGKILL, "working"),
+                              ("Ctrl-C while prepare's workers start", signal.SIGINT, "starting")):
+        started = ti.Started(module_cmd("deltares.data.prepare", "--source", long_source, "--tokenizer", "gpt2",
+                                        "--out", bench.dir(slug(name)), "--workers", "2"), start_new_session=True)
+        pid = started.proc.pid
+        set_up = lambda w: ti.signal_set(w, "SigIgn") & ti.SIGINT_BIT  # noqa: E731
+        started.wait_for(lambda: ti.workers_of(pid) and (all(map(set_up, ti.workers_of(pid))) if moment == "working"
+                                                        else not all(map(set_up, ti.workers_of(pid)))), moment)
+        workers = ti.workers_of(pid)
+        os.killpg(pid, sig) if sig == signal.SIGINT else started.proc.kill()
+        proc = started.finish()
+        left = ti.gone_soon(workers)
+        # after a SIGKILL nothing of prepare runs: multiprocessing's resource tracker unlinks the pool's
+        # semaphores, and says so; an interrupt leaves it nothing
+        noise = sig != signal.SIGKILL and ("leaked" in proc.stderr or "resource_tracker" in proc.stderr)
+        rows.append(row(name, proc, "yes" if not left and not noise else
+                        f"NO ({len(left)} workers left{', a leaked-resource warning' if noise else ''})"))
+    return rows
+
+
 FAULTS = {
     "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),
     "sigkill during training": lambda b: interrupted(b, "sigkill during training", signal.SIGKILL),
@@ -532,6 +632,8 @@ FAULTS = {
     "argument domains": argument_domains,
     # issue 41: the run directory while a run writes it
     "run directory": run_directory,
+    # issue 48: outputs never land on inputs, one writer per output, workers end with their parent
+    "outputs and writers": outputs_and_writers,
 }
 
 

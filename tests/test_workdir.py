@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from deltares.common import lock as lock_module
 from deltares.training import workdir as wd
 from deltares.training.workdir import LOCK, WorkdirError, WorkdirLock, check_workdir
 
@@ -82,7 +83,7 @@ def test_lock_from_another_host(tmp_path):
 
 
 def test_heartbeat_is_refreshed(tmp_path, monkeypatch):
-    monkeypatch.setattr(wd, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)  # the lock of deltares.common.lock
     with WorkdirLock(str(tmp_path)):
         first = json.loads((tmp_path / LOCK).read_text())["heartbeat"]
         time.sleep(0.3)

@@ -63,7 +63,7 @@ def _prepared_dataset(config, workdir: str, log: Callable[[str], None]) -> str:
     if config["data"]["dataset"] == BUILTIN and not os.path.exists(os.path.join(path, "meta.json")):
         tokenizer = run_tokenizer(config)
         log(f"preparing the built-in corpus with tokenizer {tokenizer} into {path}")
-        prepare(BUILTIN, tokenizer, path, val_fraction=0.05, progress=False)
+        prepare(BUILTIN, tokenizer, path, val_fraction=0.05, progress=False, run=workdir)
     return path
 
 

@@ -429,8 +429,10 @@ def test_hf_dataset_is_planned_by_its_files(tmp_path, monkeypatch):
     ("bad.json", b'{"text": "a"}\n\n{"text": 3}\n', r"bad.json line 3: field 'text' holds 3, not text"),
     ("bad.jsonl.gz", b'{"text": "a"}\n{"text": "b\n', r"bad.jsonl.gz line 2 is not a JSON record"),
     ("bad.jsonl", b'["a", "b"]\n', r"bad.jsonl line 1 is not a JSON object but a list"),
-    ("bad.jsonl.zst", b"not zstd" * 20, r"bad.jsonl.zst is not a readable JSON Lines file: ZSTD"),
-    ("bad.json.gz", b"not gzip" * 20, r"bad.json.gz is not a readable JSON Lines file"),
+    ("bad.jsonl.zst", b"not zstd" * 20, r"bad.jsonl.zst is named .zst but is not zstd-compressed"),
+    ("bad.jsonl.zst", b"\x28\xb5\x2f\xfd" + b"not zstd" * 20, r"bad.jsonl.zst is not a readable zstd file"),
+    ("bad.json.gz", b"not gzip" * 20, r"bad.json.gz is named .gz but is not gzip-compressed"),
+    ("bad.json.gz", b"\x1f\x8b" + b"not gzip" * 20, r"bad.json.gz is not a readable gzip file"),
     ("bad.parquet", b"PAR1 not parquet" * 20, r"bad.parquet is not a readable Parquet file"),
 ])
 def test_bad_records_are_one_data_error_naming_the_file(tmp_path, bad, content, message):

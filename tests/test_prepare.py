@@ -63,7 +63,7 @@ def test_documents_stream_like_the_whole_text(tmp_path):
     text = moby_text(400_000)
     path = tmp_path / "moby.txt"
     path.write_text(text)
-    units = documents.plan_units(str(path), unit_bytes=50_000)
+    units = documents.source_units(str(path), unit_bytes=50_000)
     assert len(units) >= 6 and units[0]["start"] == 0 and units[-1]["end"] is None
     assert all(a["end"] == b["start"] for a, b in zip(units, units[1:]))
     docs, parts = [], []

@@ -206,7 +206,7 @@ def data_units(spec: str, *, flag: str = "--data", text_field: str = "text", hf_
     no prepared dataset: every source `prepare --source` takes (deltares.data.documents.source_units)."""
     folder = os.path.expanduser(spec.strip())
     if "," not in spec and not paths.is_remote(spec) and os.path.isdir(folder) and not hf_dataset_folder(spec):
-        raise DataError(f"{flag} {spec} is a folder but no prepared dataset (no meta.json) nor a saved Hugging "
+        raise DataError(f"{flag} {spec} is a folder but not a prepared dataset (no meta.json) nor a saved Hugging "
                         f"Face dataset; name the files in it, e.g. '{spec.rstrip('/')}/*.txt'")
     return source_units(spec, flag=flag, text_field=text_field, hf_config=hf_config, hf_split=hf_split)
 

@@ -1,23 +1,27 @@
 """Documents of a corpus, read lazily, in units that workers and hosts can tokenize independently.
 
-A text source (files, `.gz`, globs, comma-separated, on a disk or a bucket; `builtin` is Moby-Dick) is cut into
-documents at blank lines. Record files (Parquet, JSON Lines plain or `.gz`/`.zst`, the same ways)
-and a Hugging Face dataset (`hf:NAME`, or a local dataset directory) give one document per record:
-the text of its `--text_field`, empty records skipped. The source is planned as a list of units
-(`plan_units`, `hf_files`): a plain text file is cut into pieces of about `unit_bytes` at blank
-lines (so no document spans two units), a gzipped text file and a JSON Lines file are one unit each,
-a Parquet file is one unit or, when large, runs of its row groups (read from its footer), and a
-Hugging Face dataset is planned by its own data files in the same way. No unit reads another's
-records. Units are numbered in source order; the prepared token stream is the units' documents in
-that order, whoever tokenized them.
+What a source names is decided in `source_units`, once for every tool: `builtin` (Moby-Dick), a
+Hugging Face dataset (`hf:NAME`, or a folder written by `datasets.save_to_disk`), or files and globs,
+comma-separated, on a disk or a bucket, named as every input is (deltares.common.inputs). Each file is
+read as what its content says it is (deltares.data.formats): text, cut into documents at blank lines,
+or records (JSON Lines, Parquet, Arrow), one document per record: the text of its `--text_field`, empty
+records skipped; compressed or not. The source is planned as a list of units: a plain text file is cut
+into pieces of about `unit_bytes` at blank lines (so no document spans two units), a compressed text
+file and a JSON Lines or Arrow file are one unit each, a Parquet file is one unit or, when large, runs
+of its row groups (read from its footer), and a Hugging Face dataset is planned by its own data files in
+the same way. No unit reads another's records. Units are numbered in source order; the prepared token
+stream is the units' documents in that order, whoever tokenized them.
 
-A document is read line by line and handed on in pieces of about `PIECE_BYTES`, cut after a
-newline that a non-space character follows, and a line longer than that before a space that
-precedes a letter (where byte-level BPE pre-tokenizers always start a new token, so the pieces
-encode to the ids of the whole; tests/test_prepare.py checks it), so a book without blank lines
-is never encoded whole; a record's text is cut at the same places. Whether a document is held out for
-validation is decided by a hash of its first `HASH_BYTES` bytes: independent of file order and of
-how the source is split, and one-document-per-file corpora get a validation split too.
+A document is read line by line (a line longer than `PIECE_BYTES` in parts) and handed on in pieces of
+about `PIECE_BYTES`, cut after a newline that a non-space character follows, or before a space that
+follows a non-space character and precedes a letter (where byte-level BPE pre-tokenizers always start a
+new token, so the pieces encode to the ids of the whole; tests/test_prepare.py checks it), so a book
+without blank lines is never encoded whole; a record's text is cut at the same places. Where no such
+place comes within `HARD_PIECE * PIECE_BYTES` characters (a record of megabytes without a space), the
+text is cut there anyway: the ids next to that cut may differ from the whole's, but no tokenizer ever
+gets more text at once. Whether a document is held out for validation is decided by a hash of its first
+`HASH_BYTES` bytes: independent of file order and of how the source is split, and
+one-document-per-file corpora get a validation split too.
 """
 
 from __future__ import annotations
@@ -119,11 +123,6 @@ def file_units(path: str, unit_bytes: int = UNIT_BYTES, field: str = "text") -> 
     return [{"path": path, "start": a, "end": b} for a, b in zip(cuts, cuts[1:] + [None])]
 
 
-def plan_units(source: str, unit_bytes: int = UNIT_BYTES, field: str = "text") -> list[dict]:
-    """The units of a source of files (`source_units` of it)."""
-    return source_units(source, text_field=field, unit_bytes=unit_bytes)
-
-
 def _next_boundary(f, offset: int, window: int = 1 << 20) -> int | None:
     """The first byte after a blank line at or after `offset`, or None (no blank line follows)."""
     position, carry = offset, b""
@@ -190,7 +189,7 @@ class _Pieces:
         done = []
         while self.size > self.scan:
             whole = "".join(self.parts)
-            match = _CUT.search(whole, self.scan)
+            match = _CUT.search(whole, self.scan, HARD_PIECE * PIECE_BYTES)
             if match is not None:
                 cut = match.end()
             elif len(whole) >= HARD_PIECE * PIECE_BYTES:

@@ -70,7 +70,9 @@ class HFTokenizer:
     @functools.cached_property
     def _as_text(self) -> tokenizers.Tokenizer:
         """A copy that reads the strings of every added token as the text they spell (each marked special,
-        and special tokens encoded as text)."""
+        and special tokens encoded as text); the tokenizer itself when it has none (GPT-2's)."""
+        if not self.tok.get_added_tokens_decoder():
+            return self.tok
         data = json.loads(self.tok.to_str())
         for token in data.get("added_tokens") or []:
             token["special"] = True

@@ -22,8 +22,6 @@ import threading
 
 from absl import app, flags
 
-from deltares.common.inputs import DataError, resolve_input
-
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -137,6 +135,9 @@ def config_file_error(path: str) -> str | None:
     symlink loop, unreadable; text that is not UTF-8; a syntax error), or None. Checked before absl parses
     the flags: ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
     traceback."""
+    # imported here: `import deltares` imports this module first, and `python -m deltares.common.inputs` runs alone
+    from deltares.common.inputs import DataError, resolve_input  # noqa: PLC0415
+
     if not path:
         return "--config names no experiment file (FILE[:ARG], e.g. experiments/tiny.py:delta_block)"
     try:

@@ -7,7 +7,7 @@
         --tokenizer hf:/models/Qwen3-0.6B --max_docs 2000000 --out data/fwe
 
 The source is read lazily in units (deltares.data.documents: plain text files cut at blank lines into
-pieces of about 64 MB, a gzipped text file or a JSON Lines file whole, a Parquet file whole or in
+pieces of about 64 MB, a compressed text file, a JSON Lines or Arrow file whole, a Parquet file whole or in
 runs of row groups, a Hugging Face dataset by its own data files), so memory stays bounded however
 large the corpus, and every record is read by one unit only. `--workers N` tokenizes N units at once in N
 processes. `--shard I --num_shards N` tokenizes only the units I, I + N, ... : every host of a pod

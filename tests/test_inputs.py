@@ -277,3 +277,34 @@ def test_each_command_names_the_input_in_one_error_line(tree, module, command_fl
         line = str(exit.value.code)
         assert line.startswith(f"error: {flag} ") and "\n" not in line and all(w in line for w in words), (name, line)
     assert inputs_digest(tree) == before and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- buckets, and scripts
+
+
+def test_bucket_entries_are_named_the_same_way(fake_bucket, tmp_path, capsys):
+    folder = tmp_path / "bucket" / "corpus"
+    folder.mkdir()
+    for name, docs in DOCS.items():
+        (folder / name).write_text("\n\n".join(docs) + "\n")
+    found = resolve_inputs("gs://corpus/*.txt,gs://corpus/a.txt", flag="--source")
+    assert [p.rsplit("/", 1)[1] for p in found] == ["a.txt", "b.txt", "data[1].txt"]
+    assert all(p.startswith("gs://") for p in found) and "it is read once" in capsys.readouterr().err
+    assert by_prepare("gs://corpus/data[1].txt") == DOCS["data[1].txt"]  # a name with glob characters
+    for spec, words in (("gs://corpus/nothing*.txt", "matches no file"), ("gs://corpus/a.txt,", "trailing comma"),
+                        ("gs://corpus/gone.txt", "no such file"), ("gs://corpus", "is a folder, not a file")):
+        with pytest.raises(DataError, match=words):
+            resolve_inputs(spec, flag="--source")
+
+
+def test_scripts_check_a_spec_as_the_tools_do(tree, monkeypatch, capsys):
+    from deltares.common import inputs
+
+    monkeypatch.chdir(tree)
+    assert inputs.main(["--flag=--source", "files/*.txt,files/a.txt"]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == [str(tree / "files" / n) for n in ("a.txt", "b.txt", "data[1].txt")] and "read once" in err
+    assert inputs.main(["--flag=--config", "--one", "configs/loop.py"]) == 1
+    assert capsys.readouterr().err == "error: --config configs/loop.py is a symlink loop\n"
+    assert inputs.main(["--want", "folder", "datasets/ds_link"]) == 0
+    assert capsys.readouterr().out.strip() == str(tree / "datasets" / "ds_a")

@@ -446,7 +446,7 @@ def hf_files(name: str, config: str | None, split: str) -> list[str]:
         folder = os.path.join(folder, split)
     if os.path.exists(os.path.join(folder, "state.json")):
         with open(os.path.join(folder, "state.json")) as f:
-            return [os.path.abspath(os.path.join(folder, d["filename"])) for d in json.load(f)["_data_files"]]
+            return [os.path.realpath(os.path.join(folder, d["filename"])) for d in json.load(f)["_data_files"]]
     try:
         import datasets  # noqa: PLC0415 - optional dependency: only hf: sources need it
     except ImportError:
@@ -457,7 +457,7 @@ def hf_files(name: str, config: str | None, split: str) -> list[str]:
         raise DataError(f"cannot load hf:{name}: {err}") from None
     if split not in files:
         raise DataError(f"hf:{name} has no split {split!r} (--hf_split); its splits: {', '.join(files)}")
-    found = [path if "://" in path else os.path.abspath(path) for path in files[split]]
+    found = [path if "://" in path else os.path.realpath(path) for path in files[split]]
     other = [path for path in found if not set(formats.suffixes(path)) & {
         ".parquet", ".arrow", ".feather", *formats.JSON_LINES_SUFFIXES}]
     if other:

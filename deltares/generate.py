@@ -205,11 +205,12 @@ def read_prompts(spec: str) -> list[str]:
     prompt per non-empty line. Compressed files are read; a byte-order mark is no part of a prompt. DataError
     naming the file (and line) for a file that is no text, text that is not UTF-8, or a line that is no prompt."""
     prompts = []
-    for path in resolve_inputs(spec, flag="--prompt_file"):
-        fmt = formats.detect(path)
+    for path in resolve_inputs(spec, flag="--prompt_file", pipes=True):  # `<(...)` and /dev/stdin too: read once
+        data, fmt = formats.read_whole(path)
         if fmt.kind not in (formats.TEXT, formats.JSON_LINES):
             raise DataError(f"--prompt_file {path} is a {fmt} file; prompts are read from text or JSON Lines files")
-        lines = [line.rstrip("\r\n") for line in formats.text_lines(path, fmt)]
+        text = formats.decode_text(data, path).replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
+        lines = text.split("\n")
         if not formats.named_json_lines(path):
             prompts += [line for line in lines if line.strip()]
             continue

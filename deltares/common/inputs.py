@@ -19,7 +19,8 @@ globs, or reached through a symlink; compared by device and inode) is read once,
 appears, with a warning (`duplicates="warn"`), or refused (`duplicates="refuse"`, for inputs whose
 place carries a meaning, such as the weights of a mixture). A symlink loop, a broken symlink, a folder
 where a file is expected (or a file where a folder is), something that is not a regular file (a named
-pipe, a device), and a file that cannot be opened are each one error naming the entry and the cause.
+pipe, a device: taken only where a command reads its input once, `pipes=True`), and a file that cannot be
+opened are each one error naming the entry and the cause.
 
 `python -m deltares.common.inputs [--flag NAME] [--want file|folder|any] SPEC` prints what SPEC names,
 one path a line, or one `error:` line (exit 1): for scripts that check their arguments as the tools do.
@@ -90,9 +91,10 @@ _KINDS = {stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket", stat.S_IFCHR:
           stat.S_IFBLK: "a block device"}
 
 
-def _check_local(path: str, entry: str, flag: str | None, want: str) -> tuple[str, tuple]:
+def _check_local(path: str, entry: str, flag: str | None, want: str, pipes: bool) -> tuple[str, tuple]:
     """(absolute real path, identity) of an existing local `path` that `entry` named; DataError naming the cause
-    when it cannot be read as `want`."""
+    when it cannot be read as `want`. A named pipe or character device (`/dev/stdin`) when `pipes`: its absolute
+    path, not opened here (it can be read once)."""
     name = _named(flag, entry) + ("" if path == os.path.expanduser(entry) else f" ({path})")
     try:
         st = os.stat(path)
@@ -118,27 +120,29 @@ def _check_local(path: str, entry: str, flag: str | None, want: str) -> tuple[st
                 pass
         except OSError as err:
             raise DataError(f"{name} cannot be read: {err.strerror}") from None
+    elif pipes and want != "folder" and (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        return os.path.abspath(path), (st.st_dev, st.st_ino)
     else:
         raise DataError(f"{name} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'no regular file')}, not a "
                         f"{'folder' if want == 'folder' else 'file'}")
     return os.path.realpath(path), (st.st_dev, st.st_ino)
 
 
-def _local_entry(entry: str, flag: str | None, want: str, globs: bool) -> list[tuple[str, tuple, str]]:
+def _local_entry(entry: str, flag: str | None, want: str, globs: bool, pipes: bool) -> list[tuple[str, tuple, str]]:
     """(real path, identity, how it was named) of each path a local entry names."""
     path = os.path.expanduser(entry)
     if os.path.lexists(path) or not globs or not any(c in entry for c in GLOB_CHARACTERS):
         if not os.path.lexists(path):
             missing = "file" if want == "file" else "folder" if want == "folder" else "file or folder"
             raise DataError(f"{_named(flag, entry)}: no such {missing}")
-        return [(*_check_local(path, entry, flag, want), entry)]
+        return [(*_check_local(path, entry, flag, want, pipes), entry)]
     found = sorted(glob.glob(path, recursive=True))
     if not found:
         raise DataError(f"{_named(flag, repr(entry))} matches no {'folder' if want == 'folder' else 'file'}")
-    return [(*_check_local(match, match, flag, want), match) for match in found]
+    return [(*_check_local(match, match, flag, want, pipes), match) for match in found]
 
 
-def _bucket_entry(entry: str, flag: str | None, want: str, globs: bool) -> list[tuple[str, tuple, str]]:
+def _bucket_entry(entry: str, flag: str | None, want: str, globs: bool, pipes: bool) -> list[tuple[str, tuple, str]]:
     fs, inner, scheme = _bucket(entry, flag)
     if fs.exists(inner) or not globs or not any(c in inner for c in GLOB_CHARACTERS):
         found = [inner] if fs.exists(inner) else []
@@ -161,11 +165,12 @@ def _bucket_entry(entry: str, flag: str | None, want: str, globs: bool) -> list[
 
 
 def resolve_inputs(spec: str, *, flag: str | None = None, want: str = "file", globs: bool = True,
-                   lists: bool = True, duplicates: str = "warn",
+                   lists: bool = True, duplicates: str = "warn", pipes: bool = False,
                    warn: Callable[[str], None] = say_warning) -> list[str]:
     """The paths `spec` names (see the module docstring): absolute real paths of local files, URLs of bucket
     objects, in the order given. `want`: "file", "folder" or "any"; `globs`/`lists`: whether an entry may be a
-    glob, and the spec a comma-separated list. `flag` names the input in messages (`--source`).
+    glob, and the spec a comma-separated list; `pipes`: whether a named pipe or character device is taken
+    (for what a command reads once: `--prompt_file <(...)`). `flag` names the input in messages (`--source`).
     DataError naming the entry and the cause."""
     if want not in WANTS or duplicates not in ("warn", "refuse"):
         raise ValueError(f"want={want!r}, duplicates={duplicates!r}")
@@ -178,7 +183,7 @@ def resolve_inputs(spec: str, *, flag: str | None = None, want: str = "file", gl
             raise DataError(f"{flag or 'the input'} is empty; name a file, a folder or a glob")
     out, seen = [], {}
     for entry in entries:
-        found = (_bucket_entry if is_bucket(entry) else _local_entry)(entry, flag, want, globs)
+        found = (_bucket_entry if is_bucket(entry) else _local_entry)(entry, flag, want, globs, pipes)
         for path, identity, named in found:
             if identity in seen:
                 first = seen[identity]

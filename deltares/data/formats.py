@@ -173,26 +173,30 @@ def _kind_of(head: bytes) -> str | None:
     return None
 
 
-def _first_line_is_json_object(path: str, codec: str | None) -> bool:
-    """Whether the first non-blank line of a text file is a JSON object (then the file is JSON Lines)."""
-    with open_binary(path) as raw, open_decompressed(raw, codec) as stream:
-        for number, line in enumerate(iter(lambda: stream.readline(SNIFF_LINE_BYTES), b"")):
-            if number == 0:
-                line = line.removeprefix(codecs.BOM_UTF8)
-            if line.strip():
-                if not line.lstrip().startswith(b"{"):
-                    return False
-                try:
-                    return isinstance(json.loads(line), dict)
-                except ValueError:
-                    return False
+def _first_line_is_json_object(lines) -> bool:
+    """Whether the first non-blank of `lines` (bytes) is a JSON object (then the file is JSON Lines)."""
+    for number, line in enumerate(lines):
+        if number == 0:
+            line = line.removeprefix(codecs.BOM_UTF8)
+        if line.strip():
+            if not line.lstrip().startswith(b"{"):
+                return False
+            try:
+                return isinstance(json.loads(line), dict)
+            except ValueError:
+                return False
     return False
 
 
+def _file_lines(path: str, codec: str | None):
+    with open_binary(path) as raw, open_decompressed(raw, codec) as stream:
+        yield from iter(lambda: stream.readline(SNIFF_LINE_BYTES), b"")
+
+
 def detect(path: str) -> Format:
-    """The format of the file at `path` (see the module docstring); DataError naming the file and what it
-    holds when it is not read."""
-    names = suffixes(path)
+    """The format of the file at `path` (see the module docstring), from its first bytes; DataError naming
+    the file and what it holds when it is not read."""
+    codec = None
     try:
         with open_binary(path) as raw:
             head = raw.read(HEAD_BYTES)
@@ -204,6 +208,29 @@ def detect(path: str) -> Format:
                     inner = stream.read(HEAD_BYTES)
     except decompress_errors() as err:
         raise DataError(f"{path} is not a readable {codec or ''} file: {err}".replace("  ", " ")) from None
+    return _decide(path, head, codec, inner, lambda: _file_lines(path, codec))
+
+
+def read_whole(path: str) -> tuple[bytes, Format]:
+    """The bytes of a small file read once (a named pipe too), decompressed, and its format; DataError as
+    `detect` says."""
+    with open_binary(path) as raw:
+        data = raw.read()
+    codec = _codec_of(data)
+    inner = data
+    if codec is not None:
+        try:
+            with open_decompressed(io.BytesIO(data), codec) as stream:
+                inner = stream.read()
+        except decompress_errors() as err:
+            raise DataError(f"{path} is not a readable {codec} file: {err}") from None
+    return inner, _decide(path, data[:HEAD_BYTES], codec, inner[:HEAD_BYTES], lambda: io.BytesIO(inner))
+
+
+def _decide(path: str, head: bytes, codec: str | None, inner: bytes, lines) -> Format:
+    """The format of a file from its first bytes (`head`), the codec they name, the first bytes of what that
+    decompresses to (`inner`) and a function giving its lines (to tell JSON Lines by its first line)."""
+    names = suffixes(path)
     if (refused := _refused(head) if codec is None else None) is not None:
         raise DataError(f"{path} is {refused[0]}, which is not read; {refused[1]}")
     claimed = next((name for name, (_, ends) in CODECS.items() if names and names[-1] in ends), None)
@@ -228,9 +255,18 @@ def detect(path: str) -> Format:
                         f"{inner[:24]!r}); a failed download, or another format: check it")
     if named_json_lines(path):
         return Format(JSON_LINES, codec)
-    if inner.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{") and _first_line_is_json_object(path, codec):
+    if inner.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{") and _first_line_is_json_object(lines()):
         return Format(JSON_LINES, codec)
     return Format(TEXT, codec)
+
+
+def decode_text(data: bytes, shown: str) -> str:
+    """Bytes of a whole text file as strict UTF-8 (a byte-order mark at the start dropped); DataError naming the
+    file, the line and the byte where they are not UTF-8."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise DataError(_not_utf8_lines(io.BytesIO(data), shown)) from None
 
 
 # ----------------------------------------------------------------------------- text
@@ -279,16 +315,20 @@ def text_lines(path: str, fmt: Format, start: int = 0, end: int | None = None,
 def not_utf8(path: str, fmt: Format, shown: str) -> str:
     """The message for a text file that is not UTF-8: its first line that is not, and the byte (read again
     from the file's start, decompressed: only when it fails)."""
-    offset = 0
     with open_binary(path) as raw, open_decompressed(raw, fmt.codec) as stream:
-        for number, line in enumerate(stream, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                bad = line[err.start : err.start + 3]
-                surrogate = len(bad) == 3 and bad[0] == 0xED and 0xA0 <= bad[1] <= 0xBF
-                reason = "a lone surrogate, which UTF-8 text never holds" if surrogate else err.reason
-                return (f"{shown} line {number} is not UTF-8 text (byte {offset + err.start}: {reason}); convert it, "
-                        "e.g. iconv -f latin1 -t utf-8")
-            offset += len(line)
+        return _not_utf8_lines(stream, shown)
+
+
+def _not_utf8_lines(stream, shown: str) -> str:
+    offset = 0
+    for number, line in enumerate(stream, 1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            bad = line[err.start : err.start + 3]
+            surrogate = len(bad) == 3 and bad[0] == 0xED and 0xA0 <= bad[1] <= 0xBF
+            reason = "a lone surrogate, which UTF-8 text never holds" if surrogate else err.reason
+            return (f"{shown} line {number} is not UTF-8 text (byte {offset + err.start}: {reason}); convert it, "
+                    "e.g. iconv -f latin1 -t utf-8")
+        offset += len(line)
     return f"{shown} is not UTF-8 text; convert it, e.g. iconv -f latin1 -t utf-8"

@@ -154,13 +154,13 @@ def _bucket_entry(entry: str, flag: str | None, want: str, globs: bool, pipes: b
             raise DataError(f"{_named(flag, repr(entry))} matches no {'folder' if want == 'folder' else 'file'}")
     out = []
     for path in found:
-        url = path if "://" in path else f"{scheme}://{path}"
+        url = entry if path == inner else path if "://" in path else f"{scheme}://{path}"  # a literal: as given
         folder = fs.isdir(path)
         if folder and want == "file":
             raise DataError(f"{_named(flag, url)} is a folder, not a file; name the files in it, e.g. '{url}/*'")
         if not folder and want == "folder":
             raise DataError(f"{_named(flag, url)} is a file, not a folder")
-        out.append((url, ("url", url), url))
+        out.append((url, (scheme, path), url))  # the object as the filesystem names it: the same whichever way
     return out
 
 

@@ -190,14 +190,17 @@ def eval_batches(tokens, seq_len: int, batch: int, max_batches: int | None = Non
 
 
 def prepared_folder(spec: str) -> str | None:
-    """The prepared dataset folder `spec` names (one folder holding meta.json, on a disk or a bucket), or None."""
+    """The prepared dataset folder `spec` names (one folder holding meta.json, on a disk or a bucket: its real path,
+    or its URL), or None."""
     spec = spec.strip()
     if not spec or "," in spec or (not paths.is_remote(spec) and not os.path.isdir(os.path.expanduser(spec))):
         return None
     try:
-        return paths.run_dir(spec) if (epath.Path(paths.run_dir(spec)) / "meta.json").exists() else None
+        if not (epath.Path(paths.run_dir(spec)) / "meta.json").exists():
+            return None
     except OSError:
         return None
+    return spec if paths.is_remote(spec) else os.path.realpath(os.path.expanduser(spec))
 
 
 def data_units(spec: str, *, flag: str = "--data", text_field: str = "text", hf_config: str | None = None,

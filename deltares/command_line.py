@@ -52,12 +52,14 @@ def experiments_dir() -> str:
 
 
 def resolve_config(value: str) -> str:
-    """A `--config` value. A file that exists is kept as given; otherwise `NAME[:ARG]`, `NAME.py[:ARG]`
-    or `experiments/NAME.py[:ARG]` naming a shipped experiment becomes that file's path, so
+    """A `--config` value. A path that exists is kept as given (`~` expanded); otherwise `NAME[:ARG]`,
+    `NAME.py[:ARG]` or `experiments/NAME.py[:ARG]` naming a shipped experiment becomes that file's path, so
     `--config tiny:delta_block` and the README's `--config experiments/tiny.py:delta_block` work
-    from any directory. Anything else is kept (the tool reports the missing file)."""
+    from any directory. Anything else is kept (`config_file_error` names what is wrong with it)."""
     path, sep, arg = value.partition(":")
-    if os.path.exists(path) or os.path.dirname(path) not in ("", "experiments"):
+    if os.path.lexists(os.path.expanduser(path)):
+        return os.path.expanduser(path) + sep + arg
+    if os.path.dirname(path) not in ("", "experiments"):
         return value
     name = os.path.basename(path)
     shipped = os.path.join(experiments_dir(), name if name.endswith(".py") else name + ".py")
@@ -130,18 +132,22 @@ def config_file_argument(argv: list[str]) -> str | None:
 
 
 def config_file_error(path: str) -> str | None:
-    """Why the experiment file `path` cannot be loaded, in one line naming it (a missing file, a
-    folder, unreadable text, a syntax error), or None. Checked before absl parses the flags:
-    ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
+    """Why the experiment file `path` cannot be loaded, in one line naming it (what
+    deltares.common.inputs.resolve_input says of a path that names no readable file: missing, a folder, a
+    symlink loop, unreadable; text that is not UTF-8; a syntax error), or None. Checked before absl parses
+    the flags: ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
     traceback."""
+    # imported here: `import deltares` imports this module first, and `python -m deltares.common.inputs` runs alone
+    from deltares.common.inputs import DataError, resolve_input  # noqa: PLC0415
+
     if not path:
         return "--config names no experiment file (FILE[:ARG], e.g. experiments/tiny.py:delta_block)"
-    if not os.path.exists(path):
-        return f"--config {path}: no such file"
-    if os.path.isdir(path):
-        return f"--config {path}: is a folder, not an experiment file"
     try:
-        with open(path, encoding="utf-8") as f:
+        resolve_input(path, flag="--config")
+    except DataError as err:
+        return str(err)
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8-sig") as f:  # Python reads a byte-order mark too
             compile(f.read(), path, "exec")
     except SyntaxError as err:
         return f"--config {path} line {err.lineno}: {err.msg}"

@@ -1,6 +1,6 @@
-"""Fault injection against debug runs: every fault of issue 22, with what each ended in, as a table.
+"""Fault injection against debug runs: every fault of issues 22, 41 and 48, with what each ended in, as a table.
 
-    python tests/faults.py                 # all faults (about 10 minutes on 2 CPU cores)
+    python tests/faults.py                 # all faults (about 20 minutes on 2 CPU cores)
     python tests/faults.py --only kill     # those whose name holds "kill"
     python tests/faults.py --out faults.md
 
@@ -595,6 +595,128 @@ def outputs_and_writers(bench):
     return rows
 
 
+# issue 48: naming inputs
+
+
+def inputs(bench):
+    """Every class of naming what a command reads (tests/test_inputs.py walks the same classes in process),
+    through each command's real command line: a path with glob characters, a glob that matches nothing
+    (alone and in a list), a file named twice, overlapping globs, a symlink to a named file, a symlink loop,
+    a folder where a file is expected (a file where a folder is), a trailing comma. Recovered: what a command
+    that succeeded read is what was named, each file once (prepare's document count; eval's and analyze's
+    figures equal to those of naming each file once; generate's prompts; a run that trains). Lost: the
+    inputs changed."""
+    import concurrent.futures
+
+    from test_inputs import inputs_digest
+
+    root = bench.dir("inputs")
+    files, odd, sets, configs = (os.path.join(root, name) for name in ("files", "odd", "datasets", "configs"))
+    for folder in (files, odd, os.path.join(odd, "sub"), sets, configs):
+        os.makedirs(folder)
+    docs = {name: [f"{name[0]} document {i}: call me Ishmael, {i} years ago" for i in range(30)]
+            for name in ("a.txt", "b.txt", "data[1].txt")}
+    for name, texts in docs.items():
+        open(os.path.join(files, name), "w").write("\n\n".join(texts) + "\n")
+    os.symlink("../files/a.txt", os.path.join(odd, "link.txt"))
+    os.symlink("loop.txt", os.path.join(odd, "loop.txt"))
+    open(os.path.join(odd, "sub", "c.txt"), "w").write("inside\n")
+    for name in ("ds_a", "ds[1]"):
+        shutil.copytree(bench.data, os.path.join(sets, name))
+    os.symlink("ds_a", os.path.join(sets, "ds_link"))
+    os.symlink("ds_loop", os.path.join(sets, "ds_loop"))
+    open(os.path.join(sets, "plain.txt"), "w").write("not a dataset\n")
+    shutil.copy(DEBUG, os.path.join(configs, "exp[1].py"))
+    os.symlink("exp[1].py", os.path.join(configs, "link.py"))
+    os.symlink("loop.py", os.path.join(configs, "loop.py"))
+    f, o, d, c = (lambda *names, at=at: ",".join(os.path.join(at, n) for n in names) for at in (files, odd, sets, configs))
+    a_b_data = docs["a.txt"] + docs["b.txt"] + docs["data[1].txt"]
+    file_classes = [  # class, spec, what it reads (None: an error)
+        ("literal with glob characters", f("data[1].txt"), docs["data[1].txt"]),
+        ("dead glob alone", f("nothing*.txt"), None), ("dead glob in a list", f("a.txt", "nothing*.txt"), None),
+        ("duplicate", f("a.txt", "a.txt"), docs["a.txt"]), ("overlap", f("*.txt", "a*"), a_b_data),
+        ("symlink to a listed file", f("a.txt") + "," + o("link.txt"), docs["a.txt"]),
+        ("symlink loop", o("loop.txt"), None), ("folder", o("sub"), None), ("trailing comma", f("a.txt") + ",", None)]
+    mixture_classes = [  # a mixture: only the first reads (a dataset named twice is refused)
+        ("literal with glob characters", d("ds[1]") + "=1," + d("ds_a") + "=1", True),
+        ("dead glob alone", d("nothing*") + "=1," + d("ds_a") + "=1", None),
+        ("dead glob in a list", d("ds_a") + "=1," + d("nothing*") + "=1", None),
+        ("duplicate", d("ds_a") + "=1," + d("ds_a") + "=1", None),
+        ("overlap", d("ds*") + "=1," + d("ds_a") + "=1", None),
+        ("symlink to a listed folder", d("ds_a") + "=1," + d("ds_link") + "=1", None),
+        ("symlink loop", d("ds_loop") + "=1," + d("ds_a") + "=1", None),
+        ("file where a folder is expected", d("plain.txt") + "=1," + d("ds_a") + "=1", None),
+        ("trailing comma", d("ds_a") + "=1," + d("ds[1]") + "=1,", None)]
+    dataset_classes = [  # one folder
+        ("literal with glob characters", d("ds[1]"), True), ("dead glob alone", d("nothing*"), None),
+        ("dead glob in a list", d("ds_a", "nothing*"), None), ("duplicate", d("ds_a", "ds_a"), None),
+        ("overlap", d("ds*"), None), ("symlink", d("ds_link"), True), ("symlink loop", d("ds_loop"), None),
+        ("file where a folder is expected", d("plain.txt"), None), ("trailing comma", d("ds_a") + ",", None)]
+    config_classes = [("literal with glob characters", c("exp[1].py"), True), ("dead glob alone", c("nothing*.py"), None),
+                      ("dead glob in a list", c("exp[1].py", "nothing*.py"), None),
+                      ("duplicate", c("exp[1].py", "exp[1].py"), None), ("symlink", c("link.py"), True),
+                      ("symlink loop", c("loop.py"), None), ("folder", configs, None),
+                      ("trailing comma", c("exp[1].py") + ",", None)]
+    out = lambda name: bench.dir(f"inputs_out_{slug(name)}")  # noqa: E731
+    short = ("--config.train.steps=2", "--config.train.eval_every=2", "--config.train.checkpoint_every=2")
+    meta_documents = lambda proc, n: sum(json.load(open(os.path.join(out(n), "meta.json")))["splits"][s]["documents"]  # noqa: E731
+                                         for s in ("train", "val"))
+    commands = {  # command: (its command line for a spec, a job name), its classes, what its output says it read
+        "prepare --source": (lambda spec, n: module_cmd("deltares.data.prepare", "--source", spec, "--tokenizer", "bytes",
+                                                        "--val_fraction", "0.3", "--out", out(n)),
+                             file_classes, meta_documents),
+        "eval --data": (lambda spec, n: module_cmd("deltares.eval", "--checkpoint", bench.reference, "--data", spec),
+                        file_classes, lambda proc, n: proc.stdout.strip()),
+        "analyze --data": (lambda spec, n: module_cmd("deltares.analyze", "--checkpoint", bench.reference, "--data", spec,
+                                                      "--out", out(n), "--max_batches", "1", "--batch", "1"),
+                           file_classes, lambda proc, n: json.load(open(os.path.join(out(n), "routing.json")))["runs"][0][
+                               "tokens"]),
+        "generate --prompt_file": (lambda spec, n: module_cmd("deltares.generate", "--checkpoint", bench.reference,
+                                                              "--prompt_file", spec, "--max_new_tokens", "1",
+                                                              "--temperature", "0"),
+                                   file_classes, lambda proc, n: proc.stdout.count("--- prompt ")),
+        "config.data.mixture": (lambda spec, n: module_cmd("deltares.train", "--config", DEBUG, "--workdir", out(n),
+                                                           f"--config.data.mixture={spec}", *short), mixture_classes,
+                                lambda proc, n: True),
+        "config.data.dataset": (lambda spec, n: module_cmd("deltares.train", "--config", DEBUG, "--workdir", out(n),
+                                                           f"--config.data.dataset={spec}", *short), dataset_classes,
+                                lambda proc, n: True),
+        "--config": (lambda spec, n: module_cmd("deltares.train", "--config", spec, "--workdir", out(n), "--dry_run"),
+                     config_classes, lambda proc, n: True),
+    }
+    # What a command that read what was named, each file once, says: prepare its documents, generate its prompts;
+    # eval and analyze what they say of the same files named plainly, once each; the trainer only that it ran.
+    plain = {tuple(docs["data[1].txt"]): f("data[1].txt"), tuple(docs["a.txt"]): f("a.txt"),
+             tuple(a_b_data): f("a.txt", "b.txt", "data[1].txt")}
+    jobs = [(f"inputs: {command}: {name}", command, spec, want) for command, (_, classes, _) in commands.items()
+            for name, spec, want in classes]
+    jobs += [(f"plain {command} {spec}", command, spec, None) for command in ("eval --data", "analyze --data")
+             for spec in plain.values()]
+    before = inputs_digest(root)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        procs = dict(zip([j[0] for j in jobs], pool.map(
+            lambda job: run(commands[job[1]][0](job[2], job[0]), timeout=600), jobs)))
+    rows = []
+    for fault, command, spec, want in jobs:
+        if fault.startswith("plain "):
+            continue
+        proc, said_of = procs[fault], commands[command][2]
+        recovered = "n/a"
+        if want is not None:
+            if command in ("eval --data", "analyze --data"):
+                name = f"plain {command} {plain[tuple(want)]}"
+                wanted = said_of(procs[name], name) if procs[name].returncode == 0 else "the plain run failed"
+            else:
+                wanted = len(want) if isinstance(want, list) else True
+            try:
+                got = said_of(proc, fault) if proc.returncode == 0 else f"exit {proc.returncode}"
+            except (OSError, ValueError, KeyError) as err:
+                got = f"unreadable: {err}"
+            recovered = "yes" if got == wanted else f"NO (got {str(got)[:60]!r}, want {str(wanted)[:60]!r})"
+        rows.append(row(fault, proc, recovered, unchanged(before, inputs_digest(root))))
+    return rows
+
+
 FAULTS = {
     "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),
     "sigkill during training": lambda b: interrupted(b, "sigkill during training", signal.SIGKILL),
@@ -634,6 +756,8 @@ FAULTS = {
     "run directory": run_directory,
     # issue 48: outputs never land on inputs, one writer per output, workers end with their parent
     "outputs and writers": outputs_and_writers,
+    # issue 48: naming inputs
+    "inputs": inputs,
 }
 
 

@@ -306,6 +306,7 @@ RULES = (
     Rule("small-scale training", r"^python -m deltares\.train --config experiments/(tiny|tiny_deep|debug)\.py", "run",
          extra=SHORT_TRAIN, reason="3 steps"),
     Rule("data preparation", r"^python -m deltares\.data\.prepare ", "run"),
+    Rule("input check", r"^python -m deltares\.common\.inputs ", "run"),
     Rule("evaluation", r"^python -m deltares\.eval ", "run"),
     Rule("generation", r"^python -m deltares\.generate ", "run", check="generated"),
     Rule("lm-eval harness", r"^python -m deltares\.harness ", "run"),

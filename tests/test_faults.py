@@ -328,6 +328,8 @@ def bad_commands(tmp_path, finished, builtin_dataset):
     for step in (24, 28):
         shutil.rmtree(only_step / "checkpoints" / str(step))
     truncate_array_file(str(only_step / "checkpoints" / "30"))
+    dataset_link = tmp_path / "dataset_link"
+    os.symlink(builtin_dataset, dataset_link)
     two_devices = {"XLA_FLAGS": (ENV.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
     train_new = ["deltares.train", "--config", debug, "--workdir", str(new), f"--config.data.dataset={builtin_dataset}"]
     return [
@@ -368,6 +370,13 @@ def bad_commands(tmp_path, finished, builtin_dataset):
          ["unexpected arguments b.parquet", "quote a glob"], {}),
         ("prepare into a run", ["deltares.data.prepare", "--source", "builtin", "--tokenizer", "bytes", "--out",
                                 str(finished)], ["holds a run", "--overwrite"], {}),
+        ("prepare: a glob in a list that matches nothing", ["deltares.data.prepare", "--source",
+                                                            f"{a_file},{tmp_path}/nothing*.txt", "--tokenizer", "bytes",
+                                                            "--out", str(tmp_path / "listed")],
+         ["--source", "nothing*.txt' matches no file"], {}),
+        ("mixture: a dataset named twice (through a symlink)",
+         [*train_new[:-1], f"--config.data.mixture={builtin_dataset}=1,{dataset_link}=1"],
+         ["config.data.mixture names", "dataset_link", "name each once"], {}),
     ]
 
 

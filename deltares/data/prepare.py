@@ -7,7 +7,7 @@
         --tokenizer hf:/models/Qwen3-0.6B --max_docs 2000000 --out data/fwe
 
 The source is read lazily in units (deltares.data.documents: plain text files cut at blank lines into
-pieces of about 64 MB, a gzipped text file or a JSON Lines file whole, a Parquet file whole or in
+pieces of about 64 MB, a compressed text file, a JSON Lines or Arrow file whole, a Parquet file whole or in
 runs of row groups, a Hugging Face dataset by its own data files), so memory stays bounded however
 large the corpus, and every record is read by one unit only. `--workers N` tokenizes N units at once in N
 processes. `--shard I --num_shards N` tokenizes only the units I, I + N, ... : every host of a pod
@@ -73,8 +73,8 @@ from deltares.common.outputs import DATASET, OutputError, check_output
 from deltares.data import paths
 from deltares.data import documents
 from deltares.data.documents import (
-    BUILTIN, UNIT_BYTES, DataError, Piece, builtin_path, count_documents, hf_files, is_records, plan_units,
-    record_units,
+    BUILTIN, UNIT_BYTES, DataError, Piece, builtin_path, count_documents, hf_dataset_folder, is_records,
+    source_units,
 )
 from deltares.data.shards import ShardWriter
 from deltares.data.tokenizer import bpe_vocab_size, dumps_meta, encode_texts, load_tokenizer, tokenizer_sha256, train_bpe
@@ -97,13 +97,11 @@ def make_plan(source: str, tokenizer_spec: str, val_fraction: float, *, hf_confi
     decide the token stream. A prepare into a directory holding another plan refuses (see `prepare`)."""
     plan = dict(format=DATASET_FORMAT, source=source, tokenizer=tokenizer_spec, val_fraction=val_fraction,
                 max_docs=max_docs)
-    if source.startswith("hf:"):
+    if source.startswith("hf:") or hf_dataset_folder(source):
         plan["hf"] = dict(config=hf_config, split=hf_split)
-        files = hf_files(source[3:], hf_config, hf_split)
-        units = [unit for path in files for unit in record_units(path, text_field, unit_bytes)]
-    else:
-        units = plan_units(source, unit_bytes, text_field)
-    if any(is_records(u["path"]) for u in units):
+    units = source_units(source, flag="--source", text_field=text_field, hf_config=hf_config, hf_split=hf_split,
+                         unit_bytes=unit_bytes)
+    if any(is_records(u) for u in units):
         plan["text_field"] = text_field
     if max_docs:
         for unit, limit in zip(units, count_documents(units, max_docs, text_field)):
@@ -154,8 +152,7 @@ def tokenize_unit(out_dir: str, plan: dict, index: int, tokenizer_json: str | No
     def encode():
         texts = [p.text for p in batch]
         for piece, piece_ids in zip(batch, encode_texts(texts, tokenizer)):
-            n_bytes = len(piece.text.encode("utf-8")) + (1 if piece.last else 0)
-            writers[piece.split].add(piece_ids, piece.last, n_bytes, tokenizer.eos_id)
+            writers[piece.split].add(piece_ids, piece.last, documents.piece_bytes(piece), tokenizer.eos_id)
 
     for piece in unit_pieces(plan, index):
         fingerprint.add(piece)
@@ -562,10 +559,12 @@ def prepare(
 
 def source_inputs(source: str, plan: dict) -> list[str]:
     """What a prepare of `source` reads, for deltares.common.outputs.check_output: the local files of its
-    plan, and a local Hugging Face dataset folder."""
-    found = {u["path"] for u in plan["units"] if u["path"] != BUILTIN and "://" not in u["path"]}
-    if source.startswith("hf:") and os.path.isdir(os.path.expanduser(source[3:])):
-        found.add(os.path.expanduser(source[3:]))
+    plan (absolute real paths, as deltares.common.inputs resolves them), and a local Hugging Face dataset
+    folder."""
+    found = {u["path"] for u in plan["units"] if os.path.isabs(u["path"])}
+    folder = os.path.expanduser(source[3:] if source.startswith("hf:") else source)
+    if "," not in source and hf_dataset_folder(folder):
+        found.add(os.path.realpath(folder))
     return sorted(found)
 
 
@@ -715,16 +714,15 @@ def cli() -> None:
     from deltares import command_line
     from deltares.common.domains import AT_LEAST_1, NON_NEGATIVE, define_number
 
-    _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text, Parquet or JSON Lines files or globs "
-                                  "(comma-separated), or hf:NAME.")
+    _SOURCE = flags.DEFINE_string("source", BUILTIN, "builtin, text, JSON Lines, Parquet or Arrow files or globs "
+                                  "(comma-separated, compressed or not), hf:NAME, or a saved Hugging Face dataset.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", "gpt2", "bytes, gpt2, hf:PATH or bpe:VOCAB.")
     _OUT = flags.DEFINE_string("out", None, "Output directory (a local path or a gs:// or s3:// URL).")
     _VAL = define_number(flags.DEFINE_float, "val_fraction", 0.02,
                                       "Fraction of documents held out for validation (by hash).", VAL_FRACTION)
-    _HF_CONFIG = flags.DEFINE_string("hf_config", None, "Hugging Face dataset configuration name.")
-    _HF_SPLIT = flags.DEFINE_string("hf_split", "train", "Hugging Face dataset split to read.")
-    _TEXT_FIELD = flags.DEFINE_string("text_field", "text", "The field of a record (Parquet, JSON Lines, Hugging "
-                                      "Face) holding its text.")
+    _HF_CONFIG = flags.DEFINE_string("hf_config", None, documents.SOURCE_HELP["hf_config"])
+    _HF_SPLIT = flags.DEFINE_string("hf_split", "train", documents.SOURCE_HELP["hf_split"])
+    _TEXT_FIELD = flags.DEFINE_string("text_field", "text", documents.SOURCE_HELP["text_field"])
     integer = functools.partial(define_number, flags.DEFINE_integer)
     _MAX_DOCS = integer("max_docs", None, "Keep the first N documents of the source (held-out ones included; a "
                         "non-empty record is a document).", AT_LEAST_1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, NamedTuple
 
+from deltares.common.inputs import resolve_input
 from deltares.data.documents import BUILTIN, DataError
 from deltares.data.dataset import TokenData, train_iterator
 from deltares.data.mixture import Mixture, parse_mixture
@@ -46,8 +47,10 @@ def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print) -
     vocabulary must fit `config.model.vocab_size`."""
     if config["data"].get("mixture"):
         source = Mixture(config["data"]["mixture"])
-    else:
+    elif config["data"]["dataset"] == BUILTIN:
         source = TokenData(_prepared_dataset(config, workdir, log))
+    else:  # named as every input is (deltares.common.inputs): one line for a path that leads to no folder
+        source = TokenData(_dataset_folder(config["data"]["dataset"]))
     if source.vocab_size > config["model"]["vocab_size"]:
         raise DataError(
             f"the tokenizer of {source.path} has {source.vocab_size} tokens, more than config.model.vocab_size="
@@ -55,6 +58,17 @@ def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print) -
         )
     source.check_ids(config["model"]["vocab_size"])
     return source
+
+
+def _dataset_folder(path: str) -> str:
+    """The real path of the folder `config.data.dataset` names; DataError naming the cause (and how to make
+    one, where there is none)."""
+    try:
+        return resolve_input(path, flag="config.data.dataset", want="folder")
+    except DataError as err:
+        if str(err).endswith("no such folder"):
+            raise DataError(f"{err}; prepare one with python -m deltares.data.prepare --out {path}") from None
+        raise
 
 
 def _prepared_dataset(config, workdir: str, log: Callable[[str], None]) -> str:

@@ -427,13 +427,13 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
     return report
 
 
-def check_analysis_out(out: str, paths: list[str], data_inputs: list[str]) -> str:
+def check_analysis_out(out: str, paths: list[str], data_inputs: list[str] | None = None) -> str:
     """The folder analyze writes into (a link's target), checked before anything is written
     (deltares.common.outputs): never a run, a dataset or a folder of one (but a new folder directly in a
     run, such as the default `<run>/analysis`), nor an input (the runs, the files or dataset `--data`
     reads); AnalysisError saying why not."""
     try:
-        return check_output(out, writes="files", inputs=list(paths) + list(data_inputs))
+        return check_output(out, writes="files", inputs=list(paths) + list(data_inputs or ()))
     except OutputError as err:
         raise AnalysisError(str(err)) from None
 

@@ -73,18 +73,23 @@ def is_bucket(entry: str) -> bool:
     return "://" in entry
 
 
+def bucket_filesystem(url: str):
+    """(fsspec filesystem, path in it) of a bucket URL (gcsfs for gs://, s3fs for s3://); DataError when
+    the scheme's package is missing or the URL is malformed."""
+    try:
+        import fsspec  # noqa: PLC0415 - buckets only
+
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as err:
+        raise DataError(f"cannot read {url}: {err} (gs:// needs gcsfs, s3:// needs s3fs)") from None
+
+
 def _bucket(url: str, flag: str | None):
     """(filesystem, path in it, scheme) of a bucket URL."""
     scheme = url.split("://", 1)[0]
     if scheme not in BUCKET_SCHEMES:
         raise DataError(f"{_named(flag, url)}: {scheme}:// is not read; local paths, gs:// and s3:// are")
-    try:
-        import fsspec  # noqa: PLC0415 - buckets only
-
-        fs, inner = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as err:
-        raise DataError(f"cannot read {url}: {err}") from None
-    return fs, inner, scheme
+    return (*bucket_filesystem(url), scheme)
 
 
 _KINDS = {stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",

@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from deltares.common.inputs import DataError
+from deltares.common.inputs import DataError, bucket_filesystem
 
 TEXT, JSON_LINES, PARQUET, ARROW_FILE, ARROW_STREAM = "text", "JSON Lines", "Parquet", "Arrow file", "Arrow stream"
 RECORD_KINDS = (JSON_LINES, PARQUET, ARROW_FILE, ARROW_STREAM)
@@ -80,26 +80,16 @@ class Format(NamedTuple):
 # ----------------------------------------------------------------------------- files on a disk or a bucket
 
 
-def _fs(path: str):
-    """(filesystem, path) of a bucket URL (fsspec: gcsfs for gs://, s3fs for s3://)."""
-    import fsspec  # noqa: PLC0415 - buckets only
-
-    try:
-        return fsspec.core.url_to_fs(path)
-    except (ImportError, ValueError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
-
-
 def open_binary(path: str):
     if "://" in path:
-        fs, inner = _fs(path)
+        fs, inner = bucket_filesystem(path)
         return fs.open(inner, "rb")
     return open(path, "rb")
 
 
 def size(path: str) -> int:
     if "://" in path:
-        fs, inner = _fs(path)
+        fs, inner = bucket_filesystem(path)
         return fs.size(inner)
     return os.path.getsize(path)
 

@@ -68,6 +68,7 @@ from tqdm import tqdm
 
 from deltares.common import interrupts
 from deltares.common.domains import Domain
+from deltares.common.inputs import bucket_filesystem
 from deltares.common.lock import FileLock, LockError, describe, read_record
 from deltares.common.outputs import DATASET, OutputError, check_output
 from deltares.data import paths
@@ -207,7 +208,7 @@ def _file_state(unit: dict) -> dict:
     if "://" not in path:
         stat = os.stat(path)
         return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    info = documents._fs(path)[0].info(path)
+    info = bucket_filesystem(path)[0].info(path)
     version = next((str(info[k]) for k in ("generation", "etag", "ETag", "blob_id", "mtime", "updated",
                                             "LastModified") if info.get(k) is not None), None)
     return {"size": info.get("size"), "version": version}

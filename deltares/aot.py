@@ -149,11 +149,11 @@ def hbm_of(device) -> tuple[int | None, str]:
 
 
 def pallas_kernel_calls(hlo_text: str) -> int:
-    """Pallas kernels in a compiled program's HLO: Mosaic custom calls (TPU), Triton kernels (GPU)."""
-    return hlo_text.count('custom_call_target="tpu_custom_call"') + len(_TRITON_KERNEL.findall(hlo_text))
+    """Pallas kernels in a compiled program's HLO: Mosaic custom calls (TPU), Triton and Mosaic GPU kernels (GPU)."""
+    from deltares.training.hlo_kernels import PALLAS_GPU_CALLS
 
-
-_TRITON_KERNEL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
+    gpu = sum(hlo_text.count(f'custom_call_target="{target}"') for target in PALLAS_GPU_CALLS)
+    return hlo_text.count('custom_call_target="tpu_custom_call"') + gpu
 
 
 # --------------------------------------------------------------------------- FLOPs

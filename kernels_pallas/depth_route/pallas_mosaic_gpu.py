@@ -255,7 +255,8 @@ def route_forward(sources, bias_SN, q_D, res_ND, *, eps, interpret=False):
                 bias_row = _load(bias_smem.at[s, pl.ds(i * ROWS, ROWS)], t.row_layout) if has_bias else None
                 z, _, _ = _logit(t, x, q, eps, bias_row)
                 if not state:  # the first source: m = z, l = 1 (0 where masked), acc = l x
-                    p = jnp.where(z == -jnp.inf, 0.0, 1.0) if has_bias else jnp.ones_like(z)
+                    # (1 made from z: a constant row would be a splat, which jax 0.10 cannot broadcast)
+                    p = jnp.where(z == -jnp.inf, 0.0, 1.0) if has_bias else z * 0.0 + 1.0
                     state.update(m=z, l=p, acc=[t.col(p) * c for c in x] if has_bias else x)
                     return
                 m, l, acc = state["m"], state["l"], state["acc"]

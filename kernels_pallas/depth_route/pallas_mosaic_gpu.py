@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 ROWS = 4  # tokens per tile: one per warp of the warpgroup
 BUFFERS = 3  # source tiles in flight (TMA) per CTA
 MAX_CTAS = 1024  # a CTA walks enough tiles to keep the grid at most this long
-SMEM_BYTES = 200 * 1024  # shared memory a CTA may take (H100/H200: 227 KiB)
+SMEM_BYTES = 216 * 1024  # shared memory a CTA may take (H100/H200: 227 KiB, less Mosaic's own scratch)
 TILE_GROUP = 8  # tiles per CTA come in multiples of 8: the per-token rows of a CTA (lse, bias) are one TMA box
 
 
@@ -69,12 +69,12 @@ def _tiles_per_cta(N: int) -> int:
     return t
 
 
-def _smem_bytes(S: int, D: int, itemsize: int, backward: bool, bias: bool) -> int:
-    tile = ROWS * D
-    total = BUFFERS * tile * itemsize + tile * 4  # source tiles in flight, q
-    total += tile * itemsize * (2 * BUFFERS + 2 if backward else 2)  # backward: dout, acc in, ds out; fwd: out, res
-    total += (S if bias else 0) * ROWS * TILE_GROUP * 4 + 2 * ROWS * TILE_GROUP * 4
-    return total
+def _smem_bytes(S: int, N: int, D: int, itemsize: int, bias: bool) -> int:
+    """Shared memory a CTA of the backward kernel takes (the forward's is less): its scratch buffers."""
+    tile, rows = ROWS * D, ROWS * _tiles_per_cta(N)
+    total = BUFFERS * tile * itemsize + tile * 4  # the source ring, q
+    total += 5 * tile * itemsize + tile * 4  # dout, the accumulator ring (2), the ds ring (2); dq
+    return total + ((S if bias else 1) + 1) * rows * 4  # bias rows, lse rows
 
 
 def interpreter_missing() -> str | None:
@@ -95,7 +95,7 @@ def unsupported(N: int, D: int, dtype, S: int = 1, bias: bool = True) -> str | N
         return f"{N} tokens are not a multiple of {ROWS * TILE_GROUP}"
     if bias and S > 256:
         return f"{S} sources with a traced or per-token mask (at most 256)"
-    need = _smem_bytes(S, D, itemsize, True, bias)
+    need = _smem_bytes(S, N, D, itemsize, bias)
     if need > SMEM_BYTES:
         return f"D={D} needs {need // 1024} KiB of shared memory per CTA (at most {SMEM_BYTES // 1024})"
     return None

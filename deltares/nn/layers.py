@@ -419,6 +419,9 @@ class PassedSources(tuple):
     into them in place. `apply_router` returns it in place of the (absent) weights."""
 
 
+jax.tree_util.register_pytree_node(PassedSources, lambda p: (tuple(p), None), lambda _, arrays: PassedSources(arrays))
+
+
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
                  eps: float = routing.NORM_EPS):
     """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route): (out, PassedSources or None).

@@ -289,7 +289,9 @@ def _route_mgpu_bwd(cfg, saved, cotangents):
     ds, dq_D = mgpu.route_backward(srcs, bias_SN, q_D, lse_N, dout_ND.astype(srcs[0].dtype), acc, eps=eps,
                                    interpret=interpret)
     dres_ND = None if res_dtype is None else dout_ND.astype(res_dtype)
-    return ds, None, dq_D, dres_ND
+    axes = frozenset().union(*(varying_axes(x) for x in (*srcs, q_D)))  # a cotangent varies as its primal
+    *ds, dq_D, dres_ND = vary_like([*ds, dq_D, dres_ND], axes)
+    return tuple(ds), None, dq_D, dres_ND
 
 
 _route_mgpu.defvjp(_route_mgpu_fwd, _route_mgpu_bwd, symbolic_zeros=True)

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas import out_struct
+
 ROWS = 4  # tokens per tile: one per warp of the warpgroup
 BUFFERS = 3  # source tiles in flight (TMA) per CTA
 MAX_CTAS = 1024  # a CTA walks enough tiles to keep the grid at most this long
@@ -289,7 +291,7 @@ def route_forward(sources, bias_SN, q_D, res_ND, *, eps, interpret=False):
                plgpu.SMEM((t.K, ROWS, t.C), dtype), plgpu.SMEM((t.K, ROWS, t.C), res_dtype),
                plgpu.SMEM((S if has_bias else 1, t.T * ROWS), jnp.float32), plgpu.SMEM((t.T * ROWS,), jnp.float32),
                plgpu.Barrier(num_arrivals=t.K, num_barriers=BUFFERS + 2), plgpu.Barrier(num_barriers=1)]
-    out_type = (jax.ShapeDtypeStruct((N, D), dtype), jax.ShapeDtypeStruct((N,), jnp.float32))
+    out_type = (out_struct((N, D), dtype, srcs[0]), out_struct((N,), jnp.float32, srcs[0]))
     operands = [*srcs, q_RD] + ([bias_SN] if has_bias else []) + ([res_ND] if has_res else [])
     return _kernel(body, out_type, scratch, t.grid, interpret, "depth_route_mgpu_fwd")(*operands)
 
@@ -404,9 +406,8 @@ def route_backward(sources, bias_SN, q_D, lse_N, dout_ND, accumulate=None, *, ep
                plgpu.SMEM((2, t.K, ROWS, t.C), dtype), plgpu.SMEM((S if has_bias else 1, t.T * ROWS), jnp.float32),
                plgpu.SMEM((t.T * ROWS,), jnp.float32), plgpu.SMEM((t.K, ROWS, t.C), jnp.float32),
                plgpu.Barrier(num_arrivals=t.K, num_barriers=BUFFERS + 4), plgpu.Barrier(num_barriers=2)]
-    ds_type = [jax.ShapeDtypeStruct((S, N, D), dtype)] if stacked else [jax.ShapeDtypeStruct((N, D), dtype)
-                                                                         for _ in fresh]
-    out_type = (*ds_type, jax.ShapeDtypeStruct((t.grid * ROWS, D), jnp.float32))
+    ds_type = [out_struct((S, N, D), dtype, srcs[0])] if stacked else [out_struct((N, D), dtype, srcs[0]) for _ in fresh]
+    out_type = (*ds_type, out_struct((t.grid * ROWS, D), jnp.float32, srcs[0]))
     operands = [*srcs, q_RD] + ([bias_SN] if has_bias else []) + [lse_N, dout_ND] + acc_refs
     *ds_out, dq_partial = _kernel(body, out_type, scratch, t.grid, interpret, "depth_route_mgpu_bwd")(*operands)
     dq = dq_partial.sum(axis=0)

@@ -312,7 +312,8 @@ MOSAIC_COMPILES = """if True:
     mosaic = [k for k in kernels if hlo_kernels.pallas_gpu_backend(k) == "Mosaic GPU"]
     out = dict(report=report, calls=len(calls), aliased=sum("output_to_operand_aliasing" in c.attrs for c in calls),
                operand_ranks=sorted(ranks), stacks=stacks,
-               backends={str(k): v for k, v in backends.items()}, routing=all(gpu_step_time.is_routing(k) for k in mosaic))
+               backends={str(k): v for k, v in backends.items()},
+               routing=all(gpu_step_time.is_routing(k) for k in mosaic))
     from kernels_pallas.depth_route import pallas_gpu, pallas_mosaic_gpu
     mesh = jax.sharding.Mesh(gpu_aot.gpu_devices("h100"), ("x",))
     sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
@@ -448,6 +449,9 @@ def test_gpu_aot_points_the_compilers_at_the_folder(tmp_path, monkeypatch):
         (toolkit.joinpath(*part[:-1])).mkdir(parents=True, exist_ok=True)
         toolkit.joinpath(*part).write_bytes(b"")
     monkeypatch.setattr(lib, "cuda_path", None)
+    mosaic = sys.modules.get("jax.experimental.mosaic.gpu.core")  # imported by another test: its default restored
+    if mosaic is not None:
+        monkeypatch.setattr(mosaic, "cuda_root", mosaic.cuda_root)
     for key in ("PATH", "MOSAIC_GPU_CUDA_ROOT", "CUDA_ROOT"):
         monkeypatch.setenv(key, "/usr/bin" if key == "PATH" else "unset")
     assert not gpu_aot.use_cuda_toolkit(str(tmp_path / "empty")) and lib.cuda_path is None

@@ -36,7 +36,8 @@ def make_case(S, B, T, D, dtype, mask, residual, seed=0):
     else:  # per token, at least one source valid for each
         valid = rng.random((S, B, T)) < 0.5
         valid[rng.integers(0, S), :, :] = True
-    res = np.asarray(jnp.asarray(rng.normal(size=(B, T, D)), dtype).astype(jnp.float32), np.float64) if residual else None
+    res = rng.normal(size=(B, T, D)) if residual else None
+    res = None if res is None else np.asarray(jnp.asarray(res, dtype).astype(jnp.float32), np.float64)
     return sources, valid, query, gain, res
 
 
@@ -118,8 +119,8 @@ def test_kernel_matches_float64_oracle_and_reference(case):
         assert not np.any(d_sources[~valid])
     # the pure reference, the "xla" implementation, in the same dtype
     cast = lambda a, t=dtype: None if a is None else jnp.asarray(a, t)  # noqa: E731
-    ref_out = reference.depth_route(cast(sources), jnp.asarray(valid), cast(query, jnp.float32), cast(gain, jnp.float32),
-                                    cast(res), eps=EPS)
+    ref_out = reference.depth_route(cast(sources), jnp.asarray(valid), cast(query, jnp.float32),
+                                    cast(gain, jnp.float32), cast(res), eps=EPS)
     assert_close(out, ref_out, tol, "out against reference.depth_route")
 
 

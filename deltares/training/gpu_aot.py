@@ -102,7 +102,8 @@ MOSAIC_RUNTIME = os.path.join("jax_cuda12_plugin", "libmosaic_gpu_runtime.so")  
 def cuda_toolkit(directory: str) -> str | None:
     """The CUDA compiler files (ptxas, libdevice) installed from wheels in `directory`, or None."""
     path = os.path.join(directory, CUDA_TOOLKIT)
-    ok = all(os.path.isfile(os.path.join(path, *f)) for f in (("bin", "ptxas"), ("nvvm", "libdevice", "libdevice.10.bc")))
+    files = (("bin", "ptxas"), ("nvvm", "libdevice", "libdevice.10.bc"))
+    ok = all(os.path.isfile(os.path.join(path, *f)) for f in files)
     return path if ok else None
 
 

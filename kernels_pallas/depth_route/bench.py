@@ -139,7 +139,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per program (default 20, 3 on CPU)")
-    parser.add_argument("--implementation", default=None, choices=("pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu"),
+    parser.add_argument("--implementation", default=None,
+                        choices=("pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu"),
                         help="kernel to time (default: the platform's; on CPU none, unless given here)")
     parser.add_argument("--cpu_tokens", type=int, default=1024, help="B*T used on a CPU (default 1024)")
     parser.add_argument("--small", action="store_true", help="use --cpu_tokens on any platform")

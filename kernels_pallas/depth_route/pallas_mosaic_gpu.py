@@ -406,7 +406,8 @@ def route_backward(sources, bias_SN, q_D, lse_N, dout_ND, accumulate=None, *, ep
                plgpu.SMEM((2, t.K, ROWS, t.C), dtype), plgpu.SMEM((S if has_bias else 1, t.T * ROWS), jnp.float32),
                plgpu.SMEM((t.T * ROWS,), jnp.float32), plgpu.SMEM((t.K, ROWS, t.C), jnp.float32),
                plgpu.Barrier(num_arrivals=t.K, num_barriers=BUFFERS + 4), plgpu.Barrier(num_barriers=2)]
-    ds_type = [out_struct((S, N, D), dtype, srcs[0])] if stacked else [out_struct((N, D), dtype, srcs[0]) for _ in fresh]
+    ds_shapes = [(S, N, D)] if stacked else [(N, D)] * len(fresh)
+    ds_type = [out_struct(shape, dtype, srcs[0]) for shape in ds_shapes]
     out_type = (*ds_type, out_struct((t.grid * ROWS, D), jnp.float32, srcs[0]))
     operands = [*srcs, q_RD] + ([bias_SN] if has_bias else []) + [lse_N, dout_ND] + acc_refs
     *ds_out, dq_partial = _kernel(body, out_type, scratch, t.grid, interpret, "depth_route_mgpu_bwd")(*operands)

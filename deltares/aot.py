@@ -22,9 +22,10 @@ Topology strings are libtpu's `generation:chips`, e.g. `v4:2x2x2`, `v5p:2x2x2`, 
 as JAX uses them), the others with one device per TensorCore as libtpu lays them out.
 
 `--gpu h100|h200` (instead of `--topology`) compiles for one such GPU with XLA's CUDA compiler,
-the PJRT plugin of JAX's CUDA build (`jax-cuda12-pjrt`; not in requirements.txt: see
+the PJRT plugin of JAX's CUDA build with CUDA's ptxas and libdevice from wheels
+(requirements-cuda-compiler.txt, not in requirements.txt; no CUDA toolkit is read: see
 deltares/training/gpu_aot.py), for the GPU described in deltares/training/gpu_targets/. Pallas kernels
-are Triton kernels there. `--gpu h100:8` compiles for 8 of them in one host, as one process of the
+are Triton or Mosaic GPU kernels there (`pallas_kernel_calls` counts both). `--gpu h100:8` compiles for 8 of them in one host, as one process of the
 trainer uses a node's GPUs: the step sharded over the mesh of config.mesh (or --mesh) with its
 collectives, and the memory of each device; the compiler makes N compile-only GPUs itself, so these
 are the sharded program's own figures, not one GPU's scaled. The GPU compiler states no memory
@@ -149,11 +150,11 @@ def hbm_of(device) -> tuple[int | None, str]:
 
 
 def pallas_kernel_calls(hlo_text: str) -> int:
-    """Pallas kernels in a compiled program's HLO: Mosaic custom calls (TPU), Triton kernels (GPU)."""
-    return hlo_text.count('custom_call_target="tpu_custom_call"') + len(_TRITON_KERNEL.findall(hlo_text))
+    """Pallas kernels in a compiled program's HLO: Mosaic custom calls (TPU), Triton and Mosaic GPU kernels (GPU)."""
+    from deltares.training.hlo_kernels import PALLAS_GPU_CALLS
 
-
-_TRITON_KERNEL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
+    gpu = sum(hlo_text.count(f'custom_call_target="{target}"') for target in PALLAS_GPU_CALLS)
+    return hlo_text.count('custom_call_target="tpu_custom_call"') + gpu
 
 
 # --------------------------------------------------------------------------- FLOPs

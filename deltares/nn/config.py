@@ -90,8 +90,9 @@ MODEL_FIELDS = (
           "(default): one scan, every router reading all slots (masked)"),
     Field("residual.impl", "auto", str, ROUTING_IMPLS, "depth routing: auto (default: the fastest measured on the "
           "platform: the fused Triton kernel per sublayer on NVIDIA GPUs without remat, xla elsewhere, under remat "
-          "and for two-phase routing's phase one), xla, or the fused Pallas kernel (pallas: the target platform's; no routing weights; a null "
-          "source only with two-phase routing)"),
+          "and for two-phase routing's phase one), xla, or a fused Pallas kernel (pallas: the target platform's; pallas_tpu, "
+          "pallas_gpu: Triton, pallas_mosaic_gpu: Mosaic GPU, which takes unrolled layers' sources as separate "
+          "operands; no routing weights; a null source only with two-phase routing)"),
     Field("residual.interpret", False, bool, None, "run the Pallas kernels (depth routing, splash attention) in "
           "interpret mode (CPU tests)"),
     Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "

@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from deltares.nn import routing
 from deltares.nn.axes import SOURCES_AXES, STREAM_AXES, constrain
 from deltares.nn.config import BLOCK_MODES
+from deltares.nn.layers import PassedSources
 from deltares.nn.residual import ResidualPlan, Segment, row
 from kernels_pallas.depth_route.api import implementation_for
 
@@ -163,7 +164,8 @@ def _intra_sources(plan: ResidualPlan, state: DepthState, j, prefix: Prefix, eps
 def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source: bool = False,
                    eps: float = routing.NORM_EPS, final: bool = False, prefix: Prefix | None = None):
     """Sublayer j's input x_j (docs/explanations/modes.md) and its routing: returns (x_BTD, weights_SBT or
-    None, routed). `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
+    None, routed, state). The state is `state`, or where a kernel passed listed sources through
+    (`deltares.nn.layers.PassedSources`) the state holding those, for later sublayers to route over. `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
     (linen or NNX) or `apply_router` on parameters; `j` may be traced (a scanned layer).
 
         x_j = h_j                  baseline, or an additive sublayer with a single source
@@ -175,17 +177,21 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
     `prefix` (two-phase routing): the routing over the slots before j's group,
     merged with j's intra-group sources; the weights then cover those sources only."""
     if not plan.uses_sources:
-        return state.h_BTD, None, jnp.asarray(False)
+        return state.h_BTD, None, jnp.asarray(False), state
     routed = row(plan.routed | null_source, j, state.segment)
     residual = None if plan.replaces_stream else state.h_BTD
     if prefix is not None:
         sources, inv, valid = _intra_sources(plan, state, j, prefix, eps)
         x_BTD, weights_SBT = router(sources, inv, valid, residual, prefix=(prefix.out_BTD, prefix.lse_BT))
-        return _saveable((x_BTD if residual is None else jnp.where(routed, x_BTD, state.h_BTD)), routed), weights_SBT, routed
+        return (_saveable((x_BTD if residual is None else jnp.where(routed, x_BTD, state.h_BTD)), routed), weights_SBT,
+                routed, state)
     sources, inv = routing_sources(plan, state, j, eps, final)
     if isinstance(j, int):  # unrolled (listed or not): only the slots up to the last one j reads
         n = int(plan.read[j].nonzero()[0].max()) + 1
         x_BTD, weights_SBT = router(sources[:n], inv[:n], plan.read[j][:n], residual)
+        if isinstance(weights_SBT, PassedSources):  # later sublayers route over what the kernel passed through
+            state = state._replace(sources_SBTD=tuple(weights_SBT) + tuple(state.sources_SBTD[n:]))
+            weights_SBT = None
     else:
         n = sources.shape[0]  # within a segment, its first n_read slots
         x_BTD, weights_SBT = router(sources, inv, row(plan.read, j, state.segment)[:n], residual)
@@ -193,7 +199,7 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     if residual is not None:  # single source: no routing, x = h
         x_BTD = _select(routed, x_BTD, state.h_BTD)
-    return x_BTD, weights_SBT, routed
+    return x_BTD, weights_SBT, routed, state
 
 
 ROUTED_INPUT = "routed_input"  # the name remat policies save a two-phase sublayer input by (config.REMAT_POLICIES)

@@ -254,7 +254,8 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
                  interpret: bool = False, eps: float = routing.NORM_EPS, prefix=None):
     """A router's math on its parameters (`query`, `gain`, optionally `null_source`, `gate`: see
     DepthRouter, ROUTER_PARAMS); shared by the linen and NNX DepthRouter and plain parameter dicts.
-    Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel.
+    Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel, or
+    for listed sources routed by the Mosaic GPU kernel the sources passed through (`PassedSources`).
     `prefix` (two-phase routing): the routing over earlier sources, merged as in `routing.route_normalized`;
     that merge reads only a group's few intra-group sources and always runs in XLA (phase one, the read of
     the whole buffer, is `route_prefix`, fused under a kernel `impl`)."""
@@ -272,8 +273,7 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     else:
         if null is not None:
             raise ValueError("the Pallas kernel has no null source; use impl='xla' with a null source")
-        route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual, impl, interpret,
-                                              eps), None
+        route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual, impl, interpret, eps)
     if gate is None:
         return route_BTD, weights_SBT
     acc = routing.accumulation_dtype(route_BTD.dtype)
@@ -413,31 +413,54 @@ def route_prefix_grad_into(d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gai
                          out_specs=(sbtd, P(), P()), check_vma=not interpret)(*args)
 
 
+class PassedSources(tuple):
+    """Listed sources a fused kernel passed through (`kernel_route`): what later sublayers route over,
+    so that their cotangents reach this router's backward pass, where the Mosaic GPU kernel adds its own
+    into them in place. `apply_router` returns it in place of the (absent) weights."""
+
+
+jax.tree_util.register_pytree_node(PassedSources, lambda p: (tuple(p), None), lambda _, arrays: PassedSources(arrays))
+
+
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
                  eps: float = routing.NORM_EPS):
-    """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of
+    """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route): (out, PassedSources or None).
+    Listed sources (unrolled layers) go to the Mosaic GPU kernel as separate operands, and come back
+    passed through (`PassedSources`); the other kernels read one stacked buffer. Under a mesh of
     several devices it runs inside `jax.shard_map`, tokens split over the batch's mesh axes and D
     whole (`_token_split`: the kernel normalises each source itself, so a D split over `tensor` is
     gathered)."""
     from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
+    from kernels_pallas.depth_route.api import MOSAIC_GPU  # noqa: PLC0415
 
-    if isinstance(sources_SBTD, (tuple, list)):  # unrolled layers' separate sources: the kernel reads one buffer
+    listed = isinstance(sources_SBTD, (tuple, list))
+    separate = listed and impl == MOSAIC_GPU
+    if listed and not separate:  # the kernel reads one buffer
         sources_SBTD = jnp.stack(sources_SBTD)
+    shape = (len(sources_SBTD),) + sources_SBTD[0].shape if separate else sources_SBTD.shape
+
+    static = None if isinstance(valid, jax.Array) else valid  # a mask known when tracing stays known
 
     def route(sources, valid, query, gain, residual):
-        return depth_route(sources, valid, query, gain, residual, implementation=impl, interpret=interpret,
-                           eps=eps)
+        return depth_route(tuple(sources) if separate else sources, valid if static is None else static, query,
+                           gain, residual, implementation=impl, interpret=interpret, eps=eps, pass_sources=separate)
 
-    split = _token_split(sources_SBTD.shape)
+    split = _token_split(shape)
     if split is None:
-        return route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
-    mesh, sbtd = split
-    P = jax.sharding.PartitionSpec
-    btd = P(*sbtd[1:])
-    # check_vma off in interpret mode: Pallas' HLO interpreter slices varying blocks with unvarying
-    # indices, which the check rejects (jax 0.10); the compiled kernels keep it
-    fn = jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P(), btd), out_specs=btd, check_vma=not interpret)
-    return fn(sources_SBTD, valid, query_D, gain_D, residual_BTD)
+        out = route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
+    else:
+        mesh, sbtd = split
+        P = jax.sharding.PartitionSpec
+        btd = P(*sbtd[1:])
+        src_spec = tuple(btd for _ in sources_SBTD) if separate else sbtd
+        # check_vma off in interpret mode: Pallas' HLO interpreter slices varying blocks with unvarying
+        # indices, which the check rejects (jax 0.10); the compiled kernels keep it
+        fn = jax.shard_map(route, mesh=mesh, in_specs=(src_spec, P(), P(), P(), btd),
+                           out_specs=(btd, src_spec) if separate else btd, check_vma=not interpret)
+        out = fn(tuple(sources_SBTD) if separate else sources_SBTD, jnp.asarray(valid), query_D, gain_D, residual_BTD)
+    if separate:
+        return out[0], PassedSources(out[1])
+    return out, None
 
 
-__all__ = ["MLP", "ROUTER_PARAMS", "Attention", "DepthRouter", "Projection", "RMSNorm", "Rope", "apply_router", "init_router_params", "rope_tables"]
+__all__ = ["MLP", "ROUTER_PARAMS", "Attention", "DepthRouter", "PassedSources", "Projection", "RMSNorm", "Rope", "apply_router", "init_router_params", "rope_tables"]

@@ -114,11 +114,12 @@ class DepthRouting:
         `router` is called in every mode but baseline (even where j has one source, so every
         sublayer has parameters, as in deltares' Transformer). `final`: `state` holds the final
         source buffer (a store-once backward pass, `layer(only=)`)."""
-        x_BTD, weights_SBT, _ = self._input(state, j, router, final)
+        x_BTD, weights_SBT, _, _ = self._input(state, j, router, final)
         return (x_BTD, weights_SBT) if return_weights else x_BTD
 
     def _input(self, state: DepthState, j, router, final: bool = False, prefix: Prefix | None = None):
-        """(x_j, weights or None, whether j routes): `sublayer_input` under this routing's names."""
+        """(x_j, weights or None, whether j routes, the state with the sources a kernel passed through):
+        `sublayer_input` under this routing's names."""
         if self.uses_routers and router is None:
             raise ValueError(f"mode {self.mode!r} routes sublayer inputs: pass a router")
         self._check_index(j)
@@ -154,19 +155,19 @@ class DepthRouting:
 
         def delta(k, state, final=False):
             router, fn = sublayers[k]
-            x_BTD, weights_SBT, routed = self._input(state, SUBLAYERS_PER_LAYER * layer + k, router, final,
-                                                     sublayer_prefix(prefix, k))
+            x_BTD, weights_SBT, routed, state = self._input(state, SUBLAYERS_PER_LAYER * layer + k, router, final,
+                                                            sublayer_prefix(prefix, k))
             stats_k = None
             if stats:
                 stats_k = routing_stats(weights_SBT, routed) if self.uses_routers else empty_stats(self.plan.n_slots)
-            return fn(x_BTD).astype(state.h_BTD.dtype), stats_k
+            return fn(x_BTD).astype(state.h_BTD.dtype), stats_k, state
 
         if only is not None:  # sublayer `only` alone on `state` (holding the final buffer)
-            v_BTD, _ = delta(only, state, final=True)
+            v_BTD, _, _ = delta(only, state, final=True)
             return v_BTD, routing_math.inv_rms(v_BTD, self.epsilon)
         per_sublayer = []
         for k in range(SUBLAYERS_PER_LAYER):
-            v_BTD, stats_k = delta(k, state)
+            v_BTD, stats_k, state = delta(k, state)  # the state with any sources the router passed through
             state = self.add(state, SUBLAYERS_PER_LAYER * layer + k, v_BTD)
             per_sublayer.append(stats_k)
         return state, (jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None)

@@ -31,6 +31,10 @@ _INSTRUCTION = re.compile(r"^(ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
         "opt-barrier", "add-dependency", "domain", "get-dimension-size", "iota"}
 SLICES = {"slice", "dynamic-slice", "gather"}
+# The custom calls of Pallas kernels on GPUs, by the backend that wrote them: Triton, and Mosaic GPU
+# (`mosaic_gpu_v2`; `mosaic_gpu` in older jax). Each is one launch, its bytes its operands and results (a
+# result aliasing an operand, a cotangent accumulated in place, is read and written).
+PALLAS_GPU_CALLS = {"__gpu$xla.gpu.triton": "Triton", "mosaic_gpu_v2": "Mosaic GPU", "mosaic_gpu": "Mosaic GPU"}
 VIEWS = {"bitcast", "reshape"}  # the same elements under another shape
 
 
@@ -78,6 +82,12 @@ class Kernel:
     op_name: str = ""  # the jax operation it came from (HLO metadata op_name), for grouping
     f32: bool = False  # its matrix products take float32 operands (TF32 on the tensor cores)
     count: int = 1  # launches (a loop body's kernels run once per iteration)
+
+
+def pallas_gpu_backend(kernel: Kernel) -> str | None:
+    """The Pallas backend whose kernel a launch is ("Triton", "Mosaic GPU"), None for any other launch."""
+    what = kernel.what
+    return PALLAS_GPU_CALLS.get(what[len("custom-call:"):]) if what.startswith("custom-call:") else None
 
 
 @dataclass

@@ -3,8 +3,7 @@
     python -m deltares.bench --config experiments/tiny.py
     python -m deltares.bench --config experiments/s220m.py --modes baseline,delta_block --batch 4 --seq_len 2048
     python -m deltares.bench --config experiments/tiny.py --config.model.remat=full   # any config override
-    python -m deltares.bench --config experiments/tiny.py --modes delta --nobaseline --sequential \
-        --jsonl runs/bench.jsonl --save_dir runs --profile_steps 2
+    python -m deltares.bench --config experiments/tiny.py --modes delta --sequential --jsonl runs/b.jsonl --save_dir runs
 
 Times the real train step (`deltares.training.program.sharded_train_step`: forward, backward,
 optimizer update, donated state) on the default backend (the CPU, or any accelerator
@@ -64,6 +63,17 @@ class ModeResult(NamedTuple):
     flops_per_step: float
     peak_bytes: int | None = None  # the process's device memory peak when the mode finished (None: not reported)
     kernels: list | None = None  # with --profile_steps: [[kernel, launches, microseconds], ...] per profiled step
+
+
+def modes_to_time(wanted: list[str], baseline: bool = True) -> list[str]:
+    """The modes to time, each once, in order: baseline first when `baseline`, else only those `wanted`."""
+    modes = (["baseline"] if baseline else []) + [m for m in dict.fromkeys(wanted) if m != "baseline" or not baseline]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise BenchError(f"unknown mode{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; allowed: {', '.join(MODES)}")
+    if not modes:
+        raise BenchError("no mode to time: --nobaseline needs --modes")
+    return modes
 
 
 def mode_config(cfg, mode: str, batch: int, seq_len: int):
@@ -263,13 +273,10 @@ def main(argv):
     cfg = _CONFIG.value
     if cfg is None:
         sys.exit("error: --config is required, e.g. --config experiments/tiny.py")
-    wanted = list(dict.fromkeys(_MODES.value))
-    modes = (["baseline"] if _BASELINE.value else []) + [m for m in wanted if m != "baseline" or not _BASELINE.value]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        sys.exit(f"error: unknown mode{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; allowed: {', '.join(MODES)}")
-    if not modes:
-        sys.exit("error: no mode to time: --nobaseline needs --modes")
+    try:
+        modes = modes_to_time(_MODES.value, _BASELINE.value)
+    except BenchError as err:
+        sys.exit(f"error: {err}")
     for path, what in ((_JSONL.value, "--jsonl"), (_SAVE_DIR.value, "--save_dir")):
         parent = os.path.dirname(os.path.abspath(path)) if what == "--jsonl" and path else path
         if parent and not os.path.isdir(parent):
@@ -295,7 +302,8 @@ def main(argv):
         if mode not in done:
             if not done:
                 print(HEADER, flush=True)
-            print(table_row(mode, result, done.get("baseline"), tokens, peak_flops), flush=True)
+            base = result if mode == "baseline" else done.get("baseline")
+            print(table_row(mode, result, base, tokens, peak_flops), flush=True)
         done[mode] = result
         if result.kernels is not None:
             spent = sum(k[2] for k in result.kernels)

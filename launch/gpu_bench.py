@@ -137,7 +137,8 @@ STAGES = (
            "--config.model.attention=cudnn", "--config.model.residual.impl=xla", compile_s=30, run_s=25),
     _bench("s220m_cudnn_kernel", "s220m scanned attn=cudnn", S220M, ("delta_block", "delta"), *SCANNED_S220M,
            "--config.model.attention=cudnn", "--config.model.residual.impl=pallas_gpu", compile_s=30, run_s=25),
-    _bench("s1044m_scanned", "s1044m scanned", S1044M, ("baseline", "delta_block"), *SCANNED_S1044M,
+    _bench("s1044m_scanned", "s1044m scanned", S1044M, ("baseline", "delta_block", "delta", "full_attnres"),
+           *SCANNED_S1044M,
            "--config.model.residual.group_layers=0", rounds=2, steps=2, compile_s=60, run_s=30),
     _bench("s1044m_grouped", "s1044m scanned", S1044M, ("delta", "full_attnres"), *SCANNED_S1044M,
            "--config.model.residual.group_layers=4", rounds=2, steps=2, compile_s=60, run_s=30),
@@ -424,8 +425,8 @@ def dry_run(args, stages: list[Stage]) -> int:
     """Every mode's command, estimate, start and whether it fits --budget; nothing runs."""
     times = load_times(args.cache)
     steps = plan(stages, args.budget, times, args.resume)
-    print(f"# plan: {len(steps)} runs, --budget {args.budget or 'none'} s, cache {args.cache}"
-          f" ({len(times)} measured before)")
+    budget = f"--budget {args.budget:g} s" if args.budget else "no --budget"
+    print(f"# plan: {len(steps)} runs, {budget}, cache {args.cache} ({len(times)} programs measured before)")
     print(f"+ record the environment in {args.out}/env.json (nvidia-smi; {args.python} -c 'import jax; ...')")
     for s in steps:
         stage, mode = s["stage"], s["mode"]

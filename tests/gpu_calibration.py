@@ -285,10 +285,18 @@ def _parts(a: dict, bw: float, fl: float) -> tuple[np.ndarray, np.ndarray, np.nd
             total(a["bytes"] * a["count"] * a["own"] / a["bandwidth"]))
 
 
-def predict(result: dict, fit: Fit, bandwidth: float) -> float:
-    """The model's step time of one program (as gpu_step_time.price sums it)."""
-    xla, launches, own = (float(x[0]) for x in _parts(_arrays([result], [bandwidth]), fit.bw, fit.fl))
-    return xla + fit.launch * launches + own / (fit.kernel_bw or fit.bw)
+def predict(result: dict, fit: Fit, bandwidth: float, routing_only: bool = False) -> float:
+    """The model's step time of one program (as gpu_step_time.price sums it), or of its routing's kernels."""
+    if routing_only:
+        result = dict(result, kernels=[k for k in result["kernels"] if k[4]] or [[0.0, 0.0, 0, 0, 1, 0]])
+    xla, n, own = (float(x[0]) for x in _parts(_arrays([result], [bandwidth]), fit.bw, fit.fl))
+    return xla + fit.launch * n + own / (fit.kernel_bw or fit.bw)
+
+
+def launches(result: dict) -> tuple[int, int, float]:
+    """(launches, routing launches, bytes accessed) of one run of a program."""
+    k = np.array(result["kernels"], dtype=np.float64).reshape(-1, 6)
+    return int(k[:, 3].sum()), int((k[:, 3] * k[:, 4]).sum()), float((k[:, 0] * k[:, 3]).sum())
 
 
 def fit(rows: list[Row], bandwidths: dict[str, float]) -> Fit:
@@ -299,9 +307,9 @@ def fit(rows: list[Row], bandwidths: dict[str, float]) -> Fit:
     arrays = _arrays([r.result for r in rows], [bandwidths[r.gpu] for r in rows])
 
     def solve(bw: float, fl: float) -> tuple[float, float, float]:
-        base, launches, own = _parts(arrays, bw, fl)
+        base, n, own = _parts(arrays, bw, fl)
         target = (measured - base) / measured
-        columns = np.stack([launches / measured, own / measured], axis=1)
+        columns = np.stack([n / measured, own / measured], axis=1)
         has_own = bool(own.any())
         best = None
         # the least squares with c >= 0 and u >= 1: the free solution, or one with a bound held
@@ -317,7 +325,7 @@ def fit(rows: list[Row], bandwidths: dict[str, float]) -> Fit:
             c, u = values
             if c < 0 or (has_own and u < 1):
                 continue
-            err = float(np.sum((base + c * launches + u * own - measured) ** 2 / measured**2))
+            err = float(np.sum((base + c * n + u * own - measured) ** 2 / measured**2))
             if best is None or err < best[0]:
                 best = (err, c, u)
         err, c, u = best
@@ -397,7 +405,12 @@ def report(rows: list[Row], estimates: list[Row], bandwidths: dict[str, float]) 
     out = dict(fit=final, band=band, held=held, step_errors=step_errors, overhead_errors=overhead, estimates=[])
     for e in estimates:
         seconds = predict(e.result, final, bandwidths[e.gpu])
-        item = dict(name=e.name, gpu=e.gpu, scale=e.scale, mode=e.mode, setting=e.setting, ms=seconds * 1e3)
+        n, routing, accessed = launches(e.result)
+        sublayers = 2 * e.result["n_layers"]
+        item = dict(name=e.name, gpu=e.gpu, scale=e.scale, mode=e.mode, setting=e.setting, ms=seconds * 1e3,
+                    per_sublayer=n / sublayers, routing_per_sublayer=routing / sublayers,
+                    routing_ms=predict(e.result, final, bandwidths[e.gpu], routing_only=True) * 1e3,
+                    gib_accessed=accessed / 2**30)
         base = baseline_of(e, estimates)
         if base is not None:
             item.update(ratio_band(seconds, predict(base.result, final, bandwidths[base.gpu]), cal))
@@ -426,12 +439,11 @@ def print_report(rows: list[Row], r: dict) -> None:
         h = r["held"].get(row.name)
         if h is None:
             continue
-        k = np.array(row.result["kernels"], dtype=np.float64).reshape(-1, 6)
-        launches, routing = int(k[:, 3].sum()), int((k[:, 3] * k[:, 4]).sum())
+        n, routing, _ = launches(row.result)
         ovh = (f"{h['measured_overhead_ms']:.1f} | {h['model_overhead_ms']:.1f} | {_pct(h['overhead_error'])}"
                if "overhead_error" in h else "| |")
         print(f"| {row.name} | {row.setting} | {row.measured_ms:.1f} | {h['model_ms']:.1f} | {_pct(h['error'])} | {ovh} "
-              f"| {launches} | {routing} |")
+              f"| {n} | {routing} |")
     steps, ovh = r["step_errors"], r["overhead_errors"]
     if steps:
         print(f"held out, step time: {len(steps)} rows, mean |error| {100 * np.mean(steps):.1f}%, "
@@ -446,12 +458,14 @@ def print_report(rows: list[Row], r: dict) -> None:
     if r["estimates"]:
         print()
         print("each scale's defaults at 8 x 2048, estimated (constants fitted on every row):")
-        print("| GPU | estimate | ms per step | vs baseline | band | goal | verdict |")
-        print("|---|---|---|---|---|---|---|")
+        print("| estimate | ms per step | vs baseline | band | goal | verdict | launches per sublayer | "
+              "routing launches per sublayer | routing ms | GiB accessed |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for e in r["estimates"]:
             ratio = f"{e['ratio']:.3f}x | {e['low']:.3f}-{e['high']:.3f}x" if "ratio" in e else "| "
             goal = f"{e['goal']:.2f}x | {e['verdict']}" if "goal" in e else "| "
-            print(f"| {e['gpu']} | {e['name']} | {e['ms']:.1f} | {ratio} | {goal} |")
+            print(f"| {e['name']} | {e['ms']:.1f} | {ratio} | {goal} | {e['per_sublayer']:.1f} | "
+                  f"{e['routing_per_sublayer']:.1f} | {e['routing_ms']:.1f} | {e['gib_accessed']:.0f} |")
     print()
     lo, hi = r["band"]
     print(f"CALIBRATION = Calibration(bw_efficiency={f.bw:.2f}, flops_efficiency={f.fl:.2f}, "

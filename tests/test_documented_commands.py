@@ -49,7 +49,7 @@ SCRIPT_SOURCES = ("docs/**/*.sh",)
 DOCSTRING_SOURCES = ("experiments/*.py",)
 SHELL_FENCES = ("", "bash", "sh", "shell", "console")
 PYTHON_FENCES = ("python", "py")
-COMMAND_START = re.compile(r"(python -m \S+|bash \S+|(?:\./)?(?:launch|docs)/\S+\.sh)(?=\s|$)")
+COMMAND_START = re.compile(r"(python -m \S+|bash \S+|(?:\./)?(?:launch|docs)/\S+\.sh|launch/\S+\.py)(?=\s|$)")
 FENCE = re.compile(r"^\s*```\s*([\w-]*)\s*$")
 
 
@@ -222,6 +222,8 @@ STAND_INS = (
             "trained runs of these names (a run each would not fit a test's time): links to the demo run"),
     StandIn(r"/path/to/out\b", "exports/finetuned", "an output directory of your choice"),
     StandIn(r"/tmp/analysis\b", "analysis_out", "an output directory: kept inside the workspace"),
+    StandIn(r"(?<=--bench )runs/gpu_bench\b", "{gpu_bench}",
+            "a GPU bench's output folder (no GPU here): one made in the workspace, its programs a hand-written HLO"),
     StandIn(r"--tasks hellaswag,arc_easy,arc_challenge,piqa,winogrande,boolq,mmlu,lambada_openai(?=\s|$)",
             "--tasks deltares_tiny --include_path {tasks}",
             "the paper's 8 tasks download their data from the Hub: the offline task of tests/lm_eval_tasks"),
@@ -338,8 +340,9 @@ RULES = (
                 "tests/test_prepare.py prepares every format)"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu|slurm)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
-    Rule("GPU measurement script", r"^(bash )?launch/gpu_bench\.sh ", "launch", check="launch",
-         reason="--dry-run: prints every stage's command (no GPU; tests/test_launch.py parses their flags)"),
+    Rule("GPU measurement script", r"^launch/gpu_bench\.py ", "launch", check="launch",
+         reason="--dry-run: prints every mode's command and the plan (no GPU; tests/test_launch.py checks their "
+                "settings and runs the script with a fake Python)"),
 )
 
 
@@ -378,7 +381,7 @@ def runnable(doc: Doc, rule: Rule, paths: dict) -> str:
     if rule.shorten:
         command = re.sub(rule.shorten[0], rule.shorten[1], command)
     if rule.how == "launch" and "--dry-run" not in command.split():
-        command = re.sub(r"^((bash )?launch/\w+\.sh)", r"\1 --dry-run", command)
+        command = re.sub(r"^((bash )?launch/\w+\.(sh|py))", r"\1 --dry-run", command)
     extra = " ".join(shlex.quote(e) for e in rule.extra)
     if extra and command.endswith("; done"):
         return command[: -len("; done")] + f" {extra}; done"
@@ -446,7 +449,9 @@ def workspace(tmp_path_factory):
         pq.write_table(pa.table({"text": part}), str(ws / "corpus" / f"part{i}.parquet"))
         with pa.CompressedOutputStream(str(ws / "bucket" / "corpus" / f"part{i}.jsonl.zst"), "zstd") as f:
             f.write("".join(json.dumps({"text": p}) + "\n" for p in part).encode())
+    _gpu_bench_folder(ws / "gpu_bench")
     paths = dict(
+        gpu_bench=str(ws / "gpu_bench"),
         qwen3=os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny"),
         tasks=os.path.join(ROOT, "tests", "lm_eval_tasks"),
         demo=str(ws / "runs" / "demo"),
@@ -458,6 +463,35 @@ def workspace(tmp_path_factory):
         bucket=str(ws / "bucket"),
     )
     return str(ws), paths
+
+
+GPU_BENCH_HLO = """HloModule jit_step, entry_computation_layout={()->()}
+
+ENTRY %main (x: f32[SIZE]) -> f32[SIZE] {
+  %x = f32[SIZE]{0} parameter(0)
+  ROOT %y = f32[SIZE]{0} copy(%x)
+}
+"""
+
+
+def _gpu_bench_folder(folder) -> None:
+    """An output folder of launch/gpu_bench.py (env.json, rows.jsonl, programs.tar): s220m baseline and
+    delta_block, each a one-copy program."""
+    import io
+    import tarfile
+
+    os.makedirs(folder)
+    with open(folder / "env.json", "w") as f:
+        json.dump(dict(gpu="NVIDIA H200", date="2026-12-06 10:00 UTC", commit="0000000"), f)
+    with open(folder / "rows.jsonl", "w") as f, tarfile.open(folder / "programs.tar", "w") as tar:
+        for mode, n, ms in (("baseline", 2**26, 0.06), ("delta_block", 2**27, 0.12)):
+            name = f"s220m_defaults.{mode}.hlo.gz"
+            f.write(json.dumps(dict(stage="s220m_defaults", setting="s220m defaults", mode=mode, what="timing",
+                                    scale="s220m", n_layers=12, median_ms=ms, step_ms=[ms], program=name)) + "\n")
+            data = gzip.compress(GPU_BENCH_HLO.replace("SIZE", str(n)).encode())
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
 
 def command_env(rule: Rule, paths: dict) -> dict:

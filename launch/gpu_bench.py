@@ -10,14 +10,15 @@ one mode), so a mode cut short loses only itself and frees the device for the ne
 time is estimated (`Stage.compile_s` and `Stage.run_s`, or what an earlier call measured, with a compile the
 persistent cache already holds counted as `CACHED_COMPILE_S`); a mode that would not finish in the seconds
 left of `--budget` is skipped, not started, and one that runs past them is stopped. Everything goes to one
-folder, `--out` (4 files, so a caller can point it at a folder whose files are copied back):
+folder, `--out` (4 files, or a few more tars, so a caller can point it at a folder whose files are copied back):
 
 - env.json, written first: the GPU and its driver (nvidia-smi), Python, jax, jaxlib and the CUDA plugin, the
   commit (`--commit`, else git's), the date, the XLA flags and memory fraction in force;
 - rows.jsonl: one JSON object per mode as it finishes (`deltares.bench --jsonl`'s, with its stage, setting
   and program), or saying why a mode was skipped, cut or failed;
 - programs.tar: each timed program's optimized HLO (STAGE.MODE.hlo.gz, the program the row names) and each
-  profile's trace (STAGE.MODE.trace.json.gz), rewritten whole after each mode;
+  profile's trace (STAGE.MODE.trace.json.gz), rewritten whole after each mode (past 15 MiB the next ones go
+  to programs-2.tar, and so on);
 - bench.log: every process's output.
 
 `python -m tests.gpu_calibration --bench OUT` prices the saved programs with the GPU step-time model, on a
@@ -275,8 +276,19 @@ def run_process(argv: list[str], env: dict, limit: float, log: Log) -> tuple[int
     return rc, time.monotonic() - start
 
 
-def add_to_tar(tar_path: str, files: dict[str, str]) -> None:
-    """programs.tar with `files` ({member: path}) added, written whole (a copy renamed): never half written."""
+TAR_LIMIT = 15 * 2**20  # a programs tar is kept under 16 MiB (a file copied back from a device may be no larger)
+
+
+def add_to_tar(out: str, files: dict[str, str]) -> str:
+    """The files ({member: path}) added to OUT/programs.tar, or where that would pass TAR_LIMIT to the next of
+    programs-2.tar, programs-3.tar, ...; each written whole (a copy renamed), never half written. Its name."""
+    size = sum(os.path.getsize(p) for p in files.values())
+    n = 1
+    while True:
+        tar_path = os.path.join(out, "programs.tar" if n == 1 else f"programs-{n}.tar")
+        if not os.path.exists(tar_path) or os.path.getsize(tar_path) + size <= TAR_LIMIT:
+            break
+        n += 1
     tmp = tar_path + ".tmp"
     if os.path.exists(tar_path):
         shutil.copyfile(tar_path, tmp)
@@ -284,6 +296,7 @@ def add_to_tar(tar_path: str, files: dict[str, str]) -> None:
         for member, path in files.items():
             tar.add(path, arcname=member)
     os.replace(tmp, tar_path)
+    return tar_path
 
 
 def append_row(path: str, row: dict) -> None:
@@ -355,7 +368,7 @@ def run_stages(args, stages: list[Stage]) -> int:
     os.makedirs(out, exist_ok=True)
     os.makedirs(cache, exist_ok=True)
     log = Log(os.path.join(out, "bench.log"))
-    rows, tar_path = os.path.join(out, "rows.jsonl"), os.path.join(out, "programs.tar")
+    rows = os.path.join(out, "rows.jsonl")
     clock = time.monotonic()
     _, env = record_env(out, args.python, base_env(cache), args.commit, log)
     times = load_times(cache)
@@ -396,7 +409,7 @@ def run_stages(args, stages: list[Stage]) -> int:
                             line[key] = member
                     append_row(rows, dict(base, **line))
                 if files:
-                    add_to_tar(tar_path, files)
+                    add_to_tar(out, files)
                 timing = [x for x in lines if x.get("what") == "timing"]
                 if stage.command and rc is not None:
                     append_row(rows, dict(base, exit=rc, seconds=round(took, 1)))

@@ -215,7 +215,7 @@ class BenchError(ValueError):
 
 def bench_rows(folder: str) -> list[Row]:
     """The measured rows of a `launch/gpu_bench.py` output folder: each mode that finished, with the program it
-    ran (its optimized HLO in programs.tar), in the bench's setting tagged with the folder's GPU, date and
+    ran (its optimized HLO in programs.tar, or programs-N.tar), in the bench's setting tagged with the folder's GPU, date and
     commit. A program timed twice in one setting (the profile stage's steps) counts once, the longer timing.
     Rows run with XLA flags of their own (command buffers off) are another runtime's times of the same
     program: `Row.note` says so, and `main` prices them apart, out of the fit."""
@@ -226,26 +226,30 @@ def bench_rows(folder: str) -> list[Row]:
             env = json.load(f)
         with open(os.path.join(folder, "rows.jsonl")) as f:
             lines = [json.loads(line) for line in f if line.strip()]
-        tar = tarfile.open(os.path.join(folder, "programs.tar"))
+        tars = [tarfile.open(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+                if name.startswith("programs") and name.endswith(".tar")]
     except (OSError, ValueError, tarfile.TarError) as err:
         raise BenchError(f"--bench {folder}: not a GPU bench's output ({err})") from None
+    if not tars:
+        raise BenchError(f"--bench {folder}: not a GPU bench's output (no programs.tar)")
     gpu = "h200" if "H200" in env.get("gpu", "") + env.get("device_kind", "") else "h100"
     parse_gpu(gpu)
     tag = f"{gpu} {env.get('date', '?').split()[0]} {env.get('commit', '?')}"
     kept: dict[tuple, tuple[int, Row]] = {}
-    with tar:
-        names = set(tar.getnames())
-        for line in lines:
-            if line.get("what") != "timing" or line.get("program") not in names:
-                continue  # skipped, cut, failed, a profile, or its program missing
-            text = gzip.decompress(tar.extractfile(line["program"]).read()).decode()
-            row = Row(f"bench {tag} {line['stage']} {line['mode']}", f"{line['scale']}:{line['mode']}",
-                      {}, float(line["median_ms"]), setting=f"bench {tag} {line['setting']}", gpu=gpu,
-                      note=f"XLA_FLAGS {line['xla_flags']}" if line.get("xla_flags") else "")
-            row.result = kernels_of(text, int(line["n_layers"]))
-            key = (row.setting, row.result["program"])
-            if key not in kept or len(line["step_ms"]) > kept[key][0]:
-                kept[key] = (len(line["step_ms"]), row)
+    members = {name: tar for tar in tars for name in tar.getnames()}
+    for line in lines:
+        if line.get("what") != "timing" or line.get("program") not in members:
+            continue  # skipped, cut, failed, a profile, or its program missing
+        text = gzip.decompress(members[line["program"]].extractfile(line["program"]).read()).decode()
+        row = Row(f"bench {tag} {line['stage']} {line['mode']}", f"{line['scale']}:{line['mode']}",
+                  {}, float(line["median_ms"]), setting=f"bench {tag} {line['setting']}", gpu=gpu,
+                  note=f"XLA_FLAGS {line['xla_flags']}" if line.get("xla_flags") else "")
+        row.result = kernels_of(text, int(line["n_layers"]))
+        key = (row.setting, row.result["program"])
+        if key not in kept or len(line["step_ms"]) > kept[key][0]:
+            kept[key] = (len(line["step_ms"]), row)
+    for tar in tars:
+        tar.close()
     return [row for _, row in kept.values()]
 
 

@@ -875,6 +875,17 @@ def test_gpu_bench_runs_each_mode_in_a_process_within_its_budget(tmp_path):
                                                        ("s220m_xla", "delta")]
 
 
+def test_gpu_bench_programs_go_to_a_next_tar_past_the_size_limit(tmp_path, monkeypatch):
+    gb = load_gpu_bench()
+    monkeypatch.setattr(gb, "TAR_LIMIT", 40_000)  # tar pads to records of 10 KiB
+    for i in range(3):
+        (tmp_path / f"p{i}").write_bytes(os.urandom(12_000))
+        gb.add_to_tar(str(tmp_path), {f"s.m{i}.hlo.gz": str(tmp_path / f"p{i}")})
+    with tarfile.open(tmp_path / "programs.tar") as a, tarfile.open(tmp_path / "programs-2.tar") as b:
+        assert (a.getnames(), b.getnames()) == (["s.m0.hlo.gz", "s.m1.hlo.gz"], ["s.m2.hlo.gz"])
+    assert (tmp_path / "programs.tar").stat().st_size <= 40_000 and not list(tmp_path.glob("*.tmp"))
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--stages", "s220m_defaults,nope"], "unknown stage 'nope'"), (["--budget", "10m"], "a number of seconds"),
     (["--budget", "-5"], "at least 0"), (["--stages", ","], "--stages is empty"), (["--out"], "expected one argument"),

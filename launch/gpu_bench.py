@@ -262,16 +262,20 @@ class Log:
 def run_process(argv: list[str], env: dict, limit: float, log: Log) -> tuple[int | None, float]:
     """(exit status, None when stopped at `limit` seconds; seconds taken), its output logged line by line."""
     start = time.monotonic()
+    # a process group of its own (in this session, so whatever ends this script's session ends it too)
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
+                            errors="replace", preexec_fn=os.setpgrp)
     reader = threading.Thread(target=lambda: [log.say(line.rstrip("\n")) for line in proc.stdout], daemon=True)
     reader.start()
+    rc = None
     try:
         rc = proc.wait(timeout=limit if limit > 0 else None)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        rc = None
+        pass
+    finally:
+        if proc.poll() is None:  # past its time, or this script interrupted: the mode and its children end
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     reader.join(timeout=10)
     return rc, time.monotonic() - start
 
@@ -363,7 +367,12 @@ def record_env(out: str, python: str, env: dict, commit: str, log: Log) -> tuple
     return info, env
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt  # the running mode is stopped on the way out (run_process), its rows kept
+
+
 def run_stages(args, stages: list[Stage]) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
     out, cache = args.out, args.cache
     os.makedirs(out, exist_ok=True)
     os.makedirs(cache, exist_ok=True)

@@ -523,6 +523,7 @@ def main(argv=None) -> int:
             json.dump(dict(fit=dict(bw_efficiency=f.bw, flops_efficiency=f.fl, launch_seconds=f.launch,
                                     kernel_bw_efficiency=f.kernel_bw, overhead_error=list(result["band"])),
                            rows=[dict(name=r.name, setting=r.setting, measured_ms=r.measured_ms,
+                                      fitted_ms=predict(r.result, f, bandwidths[r.gpu]) * 1e3,
                                       **{k: v for k, v in result["held"].get(r.name, {}).items() if k != "fit"})
                                  for r in rows],
                            estimates=result["estimates"]), out, indent=1)

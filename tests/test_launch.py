@@ -788,7 +788,7 @@ FAKE_PYTHON = """#!{python}
 import gzip, json, os, sys, time
 args = sys.argv[1:]
 with open({log!r}, "a") as f:
-    f.write(json.dumps(dict(argv=args, mem=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+    f.write(json.dumps(dict(argv=args, pid=os.getpid(), mem=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                             cache=os.environ.get("JAX_COMPILATION_CACHE_DIR"), flags=os.environ.get("XLA_FLAGS"))) + "\\n")
 if args[0] == "-c":
     print(json.dumps(dict(python="3.12", device_kind="NVIDIA H200", platform="gpu", devices=1,
@@ -873,6 +873,28 @@ def test_gpu_bench_runs_each_mode_in_a_process_within_its_budget(tmp_path):
     rows = [json.loads(line) for line in (out2 / "rows.jsonl").read_text().splitlines()]
     assert [(r["stage"], r["mode"]) for r in rows] == [("s220m_defaults", "delta"), ("s220m_xla", "delta_block"),
                                                        ("s220m_xla", "delta")]
+
+
+def test_gpu_bench_stopped_stops_its_mode(tmp_path):
+    """SIGTERM to the script (a caller's time-out) ends the mode running under it, and says so in one line."""
+    log, fake = tmp_path / "calls.jsonl", tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log), hlo=FAKE_HLO))
+    fake.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, GPU_BENCH, "--stages", "s220m_no_command_buffers", "--out",
+                             str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--python", str(fake)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("\n") < 3):
+        time.sleep(0.1)  # the probe, baseline, then delta (which hangs)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == [err.strip()] and "interrupted" in err
+    hung = json.loads(log.read_text().splitlines()[-1])
+    assert hung["argv"][hung["argv"].index("--modes") + 1] == "delta"
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung["pid"], 0)
 
 
 def test_gpu_bench_programs_go_to_a_next_tar_past_the_size_limit(tmp_path, monkeypatch):

@@ -3,7 +3,6 @@
     python -m deltares.bench --config experiments/tiny.py
     python -m deltares.bench --config experiments/s220m.py --modes baseline,delta_block --batch 4 --seq_len 2048
     python -m deltares.bench --config experiments/tiny.py --config.model.remat=full   # any config override
-    python -m deltares.bench --config experiments/tiny.py --modes delta --sequential --jsonl runs/b.jsonl --save_dir runs
 
 Times the real train step (`deltares.training.program.sharded_train_step`: forward, backward,
 optimizer update, donated state) on the default backend (the CPU, or any accelerator

@@ -10,12 +10,12 @@ with the device's memory bandwidth from its target config and its dense tensor-c
 TF32 for float32 products), and the step's time is the sum over its launches (a GPU runs one
 kernel at a time on one stream). cuDNN attention and cuBLAS calls are priced by their own FLOPs
 and bytes; Pallas kernels ("kernels of their own", `hlo_kernels.OWN_KERNELS`: Triton) by their
-bytes at a bandwidth efficiency of their own (KERNEL_BW_EFFICIENCY), fitted on the steps measured
-with the kernel. The constants are fitted to train steps measured on one H200 (`CALIBRATION`; the
-fit, its error on whole settings left out of it, and on each mode's cost over baseline:
-docs/explanations/performance.md); `ratio_band` turns that error into the range of a mode's ratio to
-baseline. It is a model, not a measurement: it knows nothing of caches, overlap between kernels,
-or how well a given kernel uses the device.
+bytes at a bandwidth efficiency of their own (`Calibration.kernel_bw_efficiency`), fitted on the
+steps measured with such a kernel. The constants are fitted to train steps measured on one H200
+(`CALIBRATION`; the fit, its error on whole settings left out of it, on the step time and on each
+mode's cost over baseline: docs/explanations/performance.md); `ratio_band` turns that error into
+the range of a mode's ratio to baseline. It is a model, not a measurement: it knows nothing of
+caches, overlap between kernels, or how well a given kernel uses the device.
 """
 
 from __future__ import annotations

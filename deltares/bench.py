@@ -19,8 +19,8 @@ covers all modes together, since their states stay alive between rounds.
 `--sequential` instead compiles, times and frees each mode before the next (`--rounds` x `--steps`
 steps each), so only one mode's state is in memory. Each mode's row is printed as soon as it is
 known, and with `--jsonl FILE` appended to FILE as one JSON object, so a run cut short keeps the
-modes it finished. `--save_dir DIR` keeps each mode's optimized program (MODE.hlo.gz: what
-`python -m tests.gpu_calibration --bench` prices with the GPU step-time model), and
+modes it finished. `--save_dir DIR` keeps each mode's optimized program (MODE.hlo.gz: in a
+checkout, `python -m tests.gpu_calibration --bench` prices it with the GPU step-time model), and
 `--profile_steps N` traces N more steps with the JAX profiler and sums the device's kernels.
 """
 

@@ -131,16 +131,18 @@ def test_routing_and_kinds(launched):
 
 def test_kernels_of_their_own_are_recognised_by_their_target(monkeypatch):
     """OWN_KERNELS is the one place a backend's custom call is named: the count of aot's report, the kind and
-    the price follow it (a Mosaic GPU target added here is recognised as Triton's is)."""
+    the price follow it (a backend added there, here a made-up one, is recognised as Triton's is)."""
     from deltares import aot
 
-    mosaic = HLO.replace("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
+    other = HLO.replace("__gpu$xla.gpu.triton", "__gpu$other_backend_kernel")
     assert hlo_kernels.own_kernel_calls(HLO) == aot.pallas_kernel_calls(HLO) == 1
-    assert hlo_kernels.own_kernel_calls(mosaic) == 0
-    monkeypatch.setitem(hlo_kernels.OWN_KERNELS, "mosaic_gpu", "Mosaic GPU")
-    assert hlo_kernels.own_kernel_calls(mosaic) == aot.pallas_kernel_calls(mosaic) == 1
-    tri = {k.name: k for k in hlo_kernels.kernels(hlo_kernels.parse_module(mosaic))}["tri"]
-    assert tri.own == "Mosaic GPU" and gpu_step_time.kind_of(tri) == "Pallas kernels (Mosaic GPU)"
+    assert hlo_kernels.own_kernel_calls(other) == 0
+    monkeypatch.setitem(hlo_kernels.OWN_KERNELS, "other_backend_kernel", "Other")
+    assert hlo_kernels.own_kernel_calls(other) == aot.pallas_kernel_calls(other) == 1
+    tri = {k.name: k for k in hlo_kernels.kernels(hlo_kernels.parse_module(other))}["tri"]
+    assert tri.own == "Other" and gpu_step_time.kind_of(tri) == "Pallas kernels (Other)"
+    cal = gpu_step_time.Calibration(0.5, 0.25, 0.0, kernel_bw_efficiency=0.2)
+    assert gpu_step_time.price(tri, 1e12, cal).seconds == pytest.approx(tri.bytes / 0.2e12)
 
 
 def test_price_is_the_larger_of_memory_and_compute_plus_a_launch(launched):

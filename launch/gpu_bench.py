@@ -329,9 +329,12 @@ def probe(python: str, env: dict) -> tuple[dict | None, str]:
     """(Python, JAX and device as `python` sees them, or None; its error output)."""
     try:
         proc = subprocess.run([python, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return None, str(err)
+    try:
         return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as err:
-        return None, str(getattr(err, "stderr", "") or "") + str(locals().get("proc") and proc.stderr or err)
+    except (ValueError, IndexError):
+        return None, proc.stderr
 
 
 def record_env(out: str, python: str, env: dict, commit: str, log: Log) -> tuple[dict, dict]:

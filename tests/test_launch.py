@@ -917,6 +917,17 @@ def test_gpu_bench_bad_arguments_are_one_line_errors(args, needle):
     check_one_line_error(run_py(args + ["--dry-run"]), needle)
 
 
+def test_gpu_bench_without_a_working_python_records_why(tmp_path):
+    """A Python that cannot run (no JAX, say): env.json keeps the probe's error, each mode fails in one line."""
+    res = run_py(["--stages", "s220m_scanned", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "c"),
+                  "--python", shutil.which("false")])
+    check_one_line_error(res, "1 of the planned runs did not finish", "s220m_scanned baseline (exit 1)")
+    assert "probe_error" in json.loads((tmp_path / "out" / "env.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert rows == [dict(stage="s220m_scanned", setting="s220m scanned attn=cudnn", mode="baseline", xla_flags="",
+                         failed="exit 1", seconds=rows[0]["seconds"])]
+
+
 def test_gpu_bench_out_that_is_a_file_is_one_line_error(tmp_path):
     (tmp_path / "out").write_text("a file")
     check_one_line_error(run_py(["--out", str(tmp_path / "out"), "--stages", "kernel"]), "is a file")

@@ -784,7 +784,7 @@ ENTRY %main (x: f32[1024]) -> f32[1024] {
 
 # A stand-in for the GPU machine's Python: the environment probe, and deltares.bench writing its row and its
 # program as the real one does (the mode "delta" hangs until stopped); each call logged with its environment.
-FAKE_PYTHON = """#!{python}
+FAKE_BENCH_PYTHON = """#!{python}
 import gzip, json, os, sys, time
 args = sys.argv[1:]
 with open({log!r}, "a") as f:
@@ -817,7 +817,7 @@ def test_gpu_bench_runs_each_mode_in_a_process_within_its_budget(tmp_path):
     from tests import gpu_calibration
 
     log, fake = tmp_path / "calls.jsonl", tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log), hlo=FAKE_HLO))
+    fake.write_text(FAKE_BENCH_PYTHON.format(python=sys.executable, log=str(log), hlo=FAKE_HLO))
     fake.chmod(0o755)
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
@@ -878,7 +878,7 @@ def test_gpu_bench_runs_each_mode_in_a_process_within_its_budget(tmp_path):
 def test_gpu_bench_stopped_stops_its_mode(tmp_path):
     """SIGTERM to the script (a caller's time-out) ends the mode running under it, and says so in one line."""
     log, fake = tmp_path / "calls.jsonl", tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log), hlo=FAKE_HLO))
+    fake.write_text(FAKE_BENCH_PYTHON.format(python=sys.executable, log=str(log), hlo=FAKE_HLO))
     fake.chmod(0o755)
     proc = subprocess.Popen([sys.executable, GPU_BENCH, "--stages", "s220m_no_command_buffers", "--out",
                              str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--python", str(fake)],

@@ -331,6 +331,8 @@ RULES = (
     Rule("own-model example", r"^python -m examples\.\w+$", "run", reason="a few steps already (no flags)"),
     Rule("fault table", r"^python -m tests\.faults\b", "run", extra=("--only", "checkpoints is a file"),
          reason="one fault (and the reference run): the whole table takes minutes"),
+    Rule("GPU model calibration from a bench", r"^python -m tests\.gpu_calibration --bench ", "run",
+         extra=("--rows", "bench"), reason="the stand-in bench folder's rows only: priced and fitted, nothing compiled"),
     Rule("GPU model calibration", r"^python -m tests\.gpu_calibration\b", "run",
          extra=("--rows", "s220m baseline attn=cudnn"),
          reason="one row, compiled for the H200 in seconds (all 26 take about 10 minutes)"),

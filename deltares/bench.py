@@ -128,10 +128,10 @@ def _time(p: _Prepared, steps: int) -> tuple[_Prepared, list[float]]:
     return p._replace(state=state), times
 
 
-def _result(p: _Prepared, times: list[float], kernels: list | None = None) -> ModeResult:
+def _result(p: _Prepared, times: list[float]) -> ModeResult:
     memory = p.memory
     return ModeResult(p.compile_s, times, memory["arguments"] if memory else -1,
-                      memory["temporaries"] if memory else -1, p.flops_per_step, device_peak_bytes(), kernels)
+                      memory["temporaries"] if memory else -1, p.flops_per_step, device_peak_bytes())
 
 
 def benchmark(cfg, modes, batch: int, seq_len: int, rounds: int, steps: int, sequential: bool = False,
@@ -142,8 +142,10 @@ def benchmark(cfg, modes, batch: int, seq_len: int, rounds: int, steps: int, seq
     `save_dir`: each mode's optimized HLO written there (MODE.hlo.gz), and its profile's trace
     (MODE.trace.json.gz). `profile_steps`: after the timing, that many steps traced by the profiler, their
     kernels summed (`profile_kernels`). `on_mode(mode, result)` is called as each mode's figures are known."""
-    if rounds < 1 or steps < 1 or batch < 1 or seq_len < 1 or profile_steps < 0:
+    if rounds < 1 or steps < 1 or batch < 1 or seq_len < 1:
         raise BenchError("--batch, --seq_len, --rounds and --steps must be positive")
+    if profile_steps < 0:
+        raise BenchError("--profile_steps must be at least 0")
     validate_config(cfg)  # every field's type, choices and range, before anything is compiled
     cfgs = {mode: mode_config(cfg, mode, batch, seq_len) for mode in modes}  # checks every mode first
     mesh = make_mesh(cfg.mesh)

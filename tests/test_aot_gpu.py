@@ -58,9 +58,11 @@ COMPILES = """if True:
         cfg.model.remat = "full" if group else cfg.model.remat  # two-phase routing: the store-once pass
         if label == "auto_bf16":  # the defaults: "auto" attention (cuDNN in bf16 on a GPU) and "auto" routing
             cfg.model.dtype, cfg.model.attention = "bfloat16", "auto"
+        texts.clear()
         report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block",
-                             gpu="h100:2" if label == "fsdp2" else "h100", estimate=label not in ("two_phase", "fsdp2"))
-        hlo = texts.pop()  # the compiled train step (an out-of-memory report would have none)
+                             gpu="h100:2" if label == "fsdp2" else "h100", estimate=label not in ("two_phase", "fsdp2"),
+                             vs_baseline=label == "xla")  # baseline compiled after it, for the ratio
+        hlo = texts[0]  # the compiled train step (an out-of-memory report would have none)
         lines = [line for line in hlo.splitlines() if sys.argv[1] in line]
         prefix_calls = sum("depth_route_prefix" in line for line in lines)  # phase one's K-query kernels
         cudnn_calls = hlo.count('custom_call_target="__cudnn$fmha')
@@ -75,8 +77,8 @@ def h100_compiles():
     """{impl: (report, Triton kernel calls in the optimized HLO, those of phase one's kernels, cuDNN attention
     calls)} for impl pallas and xla, "two_phase" (pallas, residual.group_layers=2, remat full),
     "auto_bf16" (the "auto" routing and attention in bf16) and "fsdp2" (xla, on 2 H100s); with the GPU
-    step-time estimate but for "two_phase" and "fsdp2". Each report holds `hlo_collectives`: how often
-    the names of the collectives stand in the compiled program's HLO."""
+    step-time estimate but for "two_phase" and "fsdp2", and for "xla" baseline's too (the ratio to it). Each
+    report holds `hlo_collectives`: how often the names of the collectives stand in the compiled program's HLO."""
     proc = subprocess.run([sys.executable, "-c", COMPILES, TRITON_CALL], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -164,6 +166,25 @@ def test_gpu_estimate_reads_every_kernel_of_the_step(h100_compiles):
     B, T, H, D = report["global_batch"], report["seq_len"], 4, 16
     cudnn = report["estimate"]["by_kind"]["attention (cuDNN)"]
     assert cudnn["kernels"] == 2 * 3 and cudnn["flops"] == 3 * 3.5 * 4 * B * H * T * T * D / 2
+
+
+@needs_cuda_compiler
+def test_gpu_estimate_of_a_routed_mode_states_its_ratio_and_band(h100_compiles):
+    """A routed mode's estimate compiles baseline's step too: the ratio of the two estimates, and the band the
+    model's error on the cost over baseline (gpu_step_time.CALIBRATION.overhead_error) puts on it."""
+    from deltares.training.gpu_step_time import CALIBRATION
+
+    report = h100_compiles["xla"][0]
+    e = report["estimate"]
+    v = e["vs_baseline"]
+    assert 0 < v["baseline_seconds"] < e["seconds"] and v["ratio"] == pytest.approx(e["seconds"] / v["baseline_seconds"])
+    overhead = e["seconds"] - v["baseline_seconds"]
+    lo, hi = CALIBRATION.overhead_error
+    assert (v["low"], v["high"]) == pytest.approx((1 + overhead / (1 + hi) / v["baseline_seconds"],
+                                                   1 + overhead / (1 + lo) / v["baseline_seconds"]))
+    assert e["calibration"]["overhead_error"] == [lo, hi]
+    assert f"estimated vs baseline: {v['ratio']:.3f}x" in aot.format_report(report)
+    assert "vs_baseline" not in h100_compiles["pallas"][0]["estimate"]  # not asked for
 
 
 @needs_cuda_compiler
@@ -308,8 +329,8 @@ MOSAIC_COMPILES = """if True:
                 calls.append(ins)
                 ranks |= {len(hlo_kernels.dims_of(table[o].type)) for o in ins.operands if o in table}
     kernels = gpu_step_time.program_kernels(hlo)
-    backends = collections.Counter(hlo_kernels.pallas_gpu_backend(k) for k in kernels)
-    mosaic = [k for k in kernels if hlo_kernels.pallas_gpu_backend(k) == "Mosaic GPU"]
+    backends = collections.Counter(k.own for k in kernels)
+    mosaic = [k for k in kernels if k.own == "Mosaic GPU"]
     out = dict(report=report, calls=len(calls), aliased=sum("output_to_operand_aliasing" in c.attrs for c in calls),
                operand_ranks=sorted(ranks), stacks=stacks,
                backends={str(k): v for k, v in backends.items()},

@@ -694,12 +694,13 @@ def sublayer_prefix(prefix: Prefix | None, k: int) -> Prefix | None:
 
 
 def _group_sources(plan: ResidualPlan, first_layer, n: int):
-    """Which slots each of the 2n queries of the n layers from `first_layer` reads: [2n, S]."""
-    return jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
+    """Which slots each of the P n queries of the n units of P sublayers from `first_layer` reads: [P n, S]."""
+    P = plan.unit_size
+    return jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), P * first_layer, P * n)
 
 
 def _group_queries(queries_fn, params_G):
-    """The group's 2n queries and gains, each [2n, D] (attention, MLP per layer)."""
+    """The group's P n queries and gains, each [P n, D] (the units' sublayers in order)."""
     query_N2D, gain_N2D = jax.vmap(queries_fn)(params_G)
     D = query_N2D.shape[-1]
     return query_N2D.reshape(-1, D), gain_N2D.reshape(-1, D)
@@ -707,8 +708,8 @@ def _group_queries(queries_fn, params_G):
 
 def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: ResidualPlan, first_layer, n: int, *,
                   impl: str, interpret: bool, eps: float):
-    """Phase one for the n layers from `first_layer`: their 2n queries over the slots completed
-    before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
+    """Phase one for the n units from `first_layer`: their P n queries over the slots completed
+    before the group, one pass over the buffer. Returns (out [P n, B, T, D], lse [P n, B, T])."""
     return _phase_one(sources_SBTD, inv_rms_SBT, _group_sources(plan, first_layer, n),
                       *_group_queries(queries_fn, params_G), impl=impl, interpret=interpret, eps=eps)
 
@@ -727,7 +728,7 @@ def listed_group_prefix(queries_fn, params_layers, state: DepthState, plan: Resi
 
 
 def _phase_one(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl: str, interpret: bool, eps: float):
-    """The group's 2n queries over `sources_SBTD` (`deltares.nn.layers.route_prefix`)."""
+    """The group's queries over `sources_SBTD` (`deltares.nn.layers.route_prefix`)."""
     from deltares.nn.layers import route_prefix  # noqa: PLC0415 - layers imports the routing math only
 
     return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, impl=impl, interpret=interpret,

@@ -133,7 +133,8 @@ class StackLayer(nnx.Module):
     def pairs(self, args, kwargs=None, index=None, call_rngs=None, first_position: int = 0, hook_function=None):
         """[(router, f, hook)] for `DepthRouting.layer`, each f(x) = sublayer(x, *args, **the kwargs it takes),
         with `layer_index` (an int32 scalar) where it names it and, for each keyword of `call_rngs`
-        ({keyword: {stream: key}}), an `nnx.Rngs` of its own per sublayer (`first_position` + k in the unit);
+        ({keyword: {stream: key}}), an `nnx.Rngs` of its own per sublayer and per hook (sublayer `first_position`
+        + k of the unit);
         the hook: the sublayer's hook module, else `hook_function`."""
         from deltares.nn.stack import LAYER_INDEX, SUBLAYER, check_keywords, takes_keyword  # noqa: PLC0415 - stack imports routed, which imports this module
 
@@ -145,9 +146,10 @@ class StackLayer(nnx.Module):
         for k, (name, m, hook) in enumerate(zip(self.names, modules, hooks)):
             def keywords(target, strict_extra=(), k=k, name=name):
                 kw = {key: v for key, v in kwargs.items() if takes_keyword(target, key)}
+                draw = 2 * (first_position + k) + (SUBLAYER in strict_extra)  # the sublayer's, or its hook's
                 for key, streams in (call_rngs or {}).items():
                     if takes_keyword(target, key):
-                        kw[key] = nnx.Rngs(**{s: jax.random.fold_in(v, first_position + k) for s, v in streams.items()})
+                        kw[key] = nnx.Rngs(**{s: jax.random.fold_in(v, draw) for s, v in streams.items()})
                 if index is not None and takes_keyword(target, LAYER_INDEX, strict=True):
                     kw[LAYER_INDEX] = jnp.asarray(index, jnp.int32)
                 if SUBLAYER in strict_extra and takes_keyword(target, SUBLAYER, strict=True):
@@ -335,7 +337,7 @@ class DepthStack(nnx.Module):
         e_BTD = jax.random.normal(jax.random.key(1), (2, 8, 16))
         grads = nnx.grad(lambda m: jnp.mean(m(e_BTD) ** 2))(stack)
         print(stack(e_BTD).shape, grads.layers.mlp_router.query.shape)  # (2, 8, 16) (4, 16)
-        print(nnx.get_partition_spec(nnx.state(stack, nnx.Param))["layers"]["attn_router"]["query"][...])
+        print(nnx.get_partition_spec(nnx.state(stack, nnx.Param))["layers"]["attn_router"]["query"].get_value())
         ```
     """
 
@@ -438,8 +440,8 @@ class DepthStack(nnx.Module):
             rest_L_, rest_T, keys_U, xs_U_, xs_T_ = ((rest_L, tail_rest, unit_keys, xs_U, xs_T) if consts is None
                                                     else consts)
             is_tail = isinstance(unit, int) and unit == n_units
-            if is_tail:
-                module, xs_u = nnx.merge(tail_def, params_u, rest_T), xs_T_
+            if is_tail:  # rebuilt: the module's sown values must not grow the caller's containers
+                module, xs_u = nnx.merge(tail_def, params_u, jax.tree.map(lambda a: a, rest_T)), xs_T_
             else:
                 module, xs_u = nnx.merge(graphdef, params_u, _index(rest_L_, unit)), _index(xs_U_, unit)
             keys_u = {kw: {s: key[unit] for s, key in streams.items()} for kw, streams in keys_U.items()}

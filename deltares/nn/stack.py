@@ -492,6 +492,8 @@ def _store_once(parent: nn.Module, layer: nn.Module, routing: DepthRouting, stat
 
     if not threads:
         return depth_scan(layer_fn, params_L, state, routing.plan, eps=routing.epsilon, **kw)
+    if kw.get("queries_fn") is not None:  # the units' parameters come with their per-unit inputs
+        kw["queries_fn"] = functools.partial(lambda fn, p: fn(p[0]), kw["queries_fn"])
     state, out = depth_scan(layer_fn, (params_L, xs_diff), state, routing.plan, eps=routing.epsilon,
                             consts=(others_L, others_T, keys, xs_const, tail_const),
                             tail_params=None if tail is None else (tail_params, tail_diff), **kw)

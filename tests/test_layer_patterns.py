@@ -1,0 +1,410 @@
+"""Layers of real model families in `DepthStack` (linen and NNX): a pattern of layer kinds (local and
+global attention, as Gemma alternates them; a remainder after the last whole repeat), a decoder layer
+of three sublayers (self-attention, cross-attention, MLP), per-layer inputs and outputs (a sublayer's
+auxiliary loss; a decoding cache passed in and returned), a sublayer learning its layer index, and a
+hook on the stream between sublayers (stream dropout, stream intermediates).
+
+Each run is compared against the model written out as a loop in this file: the five modes' definitions
+(docs/explanations/modes.md: which sources each sublayer reads, the block partial, the final routing of
+the Kimi modes) over plain lists of sources, with `depth_route` (the routing reference) and the
+sublayers' math in plain JAX, reading the dropout masks the stack drew (sown, or captured with
+`nnx.capture`). Values, every gradient, the outputs and the sown values must agree, scanned with the
+store-once pass, as plain autodiff, two-phase, and unrolled. Tolerances are multiples of float32's
+epsilon, scaled by the depth and the values' size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deltares.nn import BLOCK_MODES, DepthStack, layer_params, stack_params
+from deltares.nn.config import REPLACEMENT_MODES
+from deltares.nn.nnx import DepthStack as NNXDepthStack
+from deltares.nn.routing import depth_route
+
+B, T, D, F, M = 2, 6, 8, 12, 3  # batch, tokens, width, MLP width, memory tokens
+RATE, HOOK_RATE = 0.3, 0.1
+EPS = float(np.finfo(np.float32).eps)
+E_BTD = jax.random.normal(jax.random.key(9), (B, T, D))
+MEMORY_BMD = jax.random.normal(jax.random.key(8), (B, M, D))
+
+
+def norm(x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+
+# ----------------------------------------------------------------------------- the sublayers' math
+
+def attention(p, x_BTD, window=0, keep_BTD=None, memory_BMD=None, cache=None, pos=0):
+    """One head of attention: causal self-attention (within `window` tokens where > 0), or
+    cross-attention over `memory_BMD`; with `cache` (keys, values [B, C, D]) the tokens sit at
+    positions pos.. and the updated cache is returned too. Dropout with the mask `keep_BTD`."""
+    y_BTD = norm(x_BTD)
+    src = y_BTD if memory_BMD is None else norm(memory_BMD)
+    q, k, v = y_BTD @ p["q"], src @ p["k"], src @ p["v"]
+    q_pos = pos + jnp.arange(x_BTD.shape[1])
+    if cache is not None:
+        k = jax.lax.dynamic_update_slice(cache[0], k, (0, pos, 0))
+        v = jax.lax.dynamic_update_slice(cache[1], v, (0, pos, 0))
+    scores = jnp.einsum("btd,bcd->btc", q, k) / jnp.sqrt(D)
+    if memory_BMD is None:
+        k_pos = jnp.arange(k.shape[1])
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if window:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
+        scores = jnp.where(allowed, scores, -jnp.inf)
+    out = jnp.einsum("btc,bcd->btd", jax.nn.softmax(scores, axis=-1), v) @ p["o"]
+    if keep_BTD is not None:
+        out = jnp.where(keep_BTD, out / (1 - RATE), 0.0)
+    return out if cache is None else (out, (k, v))
+
+
+def mlp(p, x_BTD, layer_index):
+    """A layer-scaled MLP returning (delta, an auxiliary loss)."""
+    hidden = jax.nn.gelu(norm(x_BTD) @ p["up"])
+    return hidden @ p["down"] * (1 + 0.25 * layer_index), jnp.mean(hidden ** 2)
+
+
+def stream_dropout(h_BTD, keep_BTD):
+    return jnp.where(keep_BTD, h_BTD / (1 - HOOK_RATE), 0.0)
+
+
+# ----------------------------------------------------------------------------- linen sublayers
+
+def _w(module, name, shape):
+    return module.param(name, nn.initializers.normal(0.5), shape)
+
+
+class Attn(nn.Module):
+    window: int = 0
+
+    @nn.compact
+    def __call__(self, x_BTD, deterministic: bool = True):
+        p = {n: _w(self, n, (D, D)) for n in "qkvo"}
+        keep = None
+        if not deterministic:
+            keep = jax.random.bernoulli(self.make_rng("dropout"), 1 - RATE, x_BTD.shape)
+            self.sow("intermediates", "keep", keep)
+        return attention(p, x_BTD, self.window, keep)
+
+
+class Cross(nn.Module):
+    @nn.compact
+    def __call__(self, x_BTD, memory_BMD):
+        return attention({n: _w(self, n, (D, D)) for n in "qkvo"}, x_BTD, memory_BMD=memory_BMD)
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x_BTD, layer_index):
+        return mlp({"up": _w(self, "up", (D, F)), "down": _w(self, "down", (F, D))}, x_BTD, layer_index)
+
+
+class StreamDropout(nn.Module):
+    """The stream hook: sows the stream's mean, and drops stream entries."""
+
+    @nn.compact
+    def __call__(self, h_BTD, deterministic: bool = True):
+        self.sow("intermediates", "mean", h_BTD.mean())
+        if deterministic:
+            return h_BTD
+        keep = jax.random.bernoulli(self.make_rng("dropout"), 1 - HOOK_RATE, h_BTD.shape)
+        self.sow("intermediates", "keep", keep)
+        return stream_dropout(h_BTD, keep)
+
+
+LINEN_KINDS = {  # scenario -> (sublayers, pattern)
+    "local_global": ({"local": {"attn": functools.partial(Attn, 3), "mlp": MLP}, "global": {"attn": Attn, "mlp": MLP}},
+                     ("local", "local", "global")),
+    "decoder": ({"self": Attn, "cross": Cross, "mlp": MLP}, None),
+}
+
+
+# ----------------------------------------------------------------------------- NNX sublayers
+
+class NNXAttn(nnx.Module):
+    def __init__(self, rngs, window=0):
+        self.q, self.k, self.v, self.o = (nnx.Param(jax.random.normal(rngs.params(), (D, D)) * 0.5) for _ in range(4))
+        self.window = window
+
+    def __call__(self, x_BTD, rngs: nnx.Rngs | None = None):
+        p = {n: getattr(self, n)[...] for n in "qkvo"}
+        keep = None
+        if rngs is not None:  # dropout with the call's rngs (the Gemma example's pattern)
+            keep = jax.random.bernoulli(rngs.dropout(), 1 - RATE, x_BTD.shape)
+            self.sow(nnx.Intermediate, "keep", keep)
+        return attention(p, x_BTD, self.window, keep)
+
+
+class NNXCross(NNXAttn):
+    def __call__(self, x_BTD, memory_BMD):
+        return attention({n: getattr(self, n)[...] for n in "qkvo"}, x_BTD, memory_BMD=memory_BMD)
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Param(jax.random.normal(rngs.params(), (D, F)) * 0.5)
+        self.down = nnx.Param(jax.random.normal(rngs.params(), (F, D)) * 0.5)
+
+    def __call__(self, x_BTD, layer_index):
+        return mlp({"up": self.up[...], "down": self.down[...]}, x_BTD, layer_index)
+
+
+class NNXStreamDropout(nnx.Module):
+    def __init__(self, rngs):
+        pass
+
+    def __call__(self, h_BTD, rngs: nnx.Rngs | None = None):
+        self.sow(nnx.Intermediate, "mean", h_BTD.mean())
+        if rngs is None:
+            return h_BTD
+        keep = jax.random.bernoulli(rngs.dropout(), 1 - HOOK_RATE, h_BTD.shape)
+        self.sow(nnx.Intermediate, "keep", keep)
+        return stream_dropout(h_BTD, keep)
+
+
+NNX_KINDS = {
+    "local_global": ({"local": lambda rngs: {"attn": NNXAttn(rngs, 3), "mlp": NNXMLP(rngs)},
+                      "global": lambda rngs: {"attn": NNXAttn(rngs), "mlp": NNXMLP(rngs)}}, ("local", "local", "global")),
+    "decoder": (lambda rngs: {"self": NNXAttn(rngs), "cross": NNXCross(rngs), "mlp": NNXMLP(rngs)}, None),
+}
+
+
+# ----------------------------------------------------------------------------- the loop written out
+
+def kind_of(scenario, layer):
+    if scenario == "decoder":
+        return ("self", "cross", "mlp"), 0
+    return ("attn", "mlp"), 3 if layer % 3 < 2 else 0  # local, local, global
+
+
+def reference(scenario, mode, block_layers, layers, final, masks, hook, n_layers):
+    """The stack as a loop over its layers, from the modes' definitions: returns (output, the MLPs'
+    auxiliary losses [L], the hook's sown stream means [J]). `layers`: per-layer parameters (routers
+    included); `masks[l]`: layer l's sown dropout masks."""
+    per_sublayer, additive = mode in ("delta", "full_attnres"), mode not in REPLACEMENT_MODES
+    h_BTD = h_block = E_BTD
+    deltas, blocks, aux, means = [], [], [], []
+    for index in range(n_layers):
+        names, window = kind_of(scenario, index)
+        p = layers[index]
+        for k, name in enumerate(names):
+            opens = mode in BLOCK_MODES and index % block_layers == 0 and k == 0
+            if opens:
+                h_block = h_BTD
+            if mode == "baseline":
+                x_BTD = h_BTD
+            else:
+                if per_sublayer:
+                    sources = [E_BTD] + deltas
+                else:
+                    sources = [E_BTD] + blocks + ([h_BTD - h_block] if not opens else [])
+                if len(sources) == 1 and additive:
+                    x_BTD = h_BTD
+                else:
+                    router = p[f"{name}_router"]
+                    x_BTD = depth_route(jnp.stack(sources), jnp.ones(len(sources), bool), router["query"],
+                                        router["gain"], residual=h_BTD if additive else None)
+            if name == "mlp":
+                v_BTD, loss = mlp(p["mlp"], x_BTD, index)
+                aux.append(loss)
+            elif name == "cross":
+                v_BTD = attention(p["cross"], x_BTD, memory_BMD=MEMORY_BMD)
+            else:
+                v_BTD = attention(p[name], x_BTD, window, masks[index][name]["keep"][0])
+            h_next = h_BTD + v_BTD
+            if hook:
+                means.append(h_next.mean())
+                h_next = stream_dropout(h_next, masks[index][f"{name}_hook"]["keep"][0])
+            v_BTD = h_next - h_BTD  # what the sublayer added: its source
+            h_BTD = h_BTD + v_BTD
+            deltas.append(v_BTD)
+            if mode in BLOCK_MODES and k == len(names) - 1 and ((index + 1) % block_layers == 0 or index == n_layers - 1):
+                blocks.append(h_BTD - h_block)
+    out_BTD = h_BTD
+    if not additive:
+        sources = [E_BTD] + (deltas if per_sublayer else blocks)
+        out_BTD = depth_route(jnp.stack(sources), jnp.ones(len(sources), bool), final["query"], final["gain"])
+    return out_BTD, jnp.stack(aux), jnp.stack(means) if hook else None
+
+
+def _loss(out_BTD, aux_L):
+    return jnp.sum(jnp.sin(out_BTD) * jnp.arange(D)) + jnp.sum(aux_L * jnp.arange(1, len(aux_L) + 1))
+
+
+def _random_routers(params, seed=1):
+    """Every router's query and gain redrawn, so that no routing is uniform."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, (path, x) in zip(keys, leaves):
+        name = jax.tree_util.keystr(path)
+        if "query" in name:
+            x = jax.random.normal(key, x.shape)
+        elif "gain" in name:
+            x = 1 + 0.3 * jax.random.normal(key, x.shape)
+        out.append(x)
+    return jax.tree.unflatten(tree, out)
+
+
+def _close(got, want, depth):
+    """Equal within float32 rounding accumulated over `depth` sublayers, relative to the values' size."""
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        scale = max(1.0, float(jnp.abs(w).max()))
+        np.testing.assert_allclose(g, w, atol=64 * depth * EPS * scale, rtol=0, err_msg=jax.tree_util.keystr(path))
+
+
+SCENARIOS = {  # name -> (scenario, mode, block_layers, n_layers, hook)
+    # five layers: one repeat of (local, local, global) and a remainder of two; blocks of two layers open
+    # inside a repeat (the store-once pass saves each unit's block start)
+    "local_global": ("local_global", "delta_block", 2, 5, True),
+    # blocks of three layers: whole repeats (two-phase groups can run), the last block the remainder
+    "local_global_aligned": ("local_global", "block_attnres", 3, 5, True),
+    "decoder": ("decoder", "delta", 1, 4, False),
+    "decoder_kimi": ("decoder", "full_attnres", 1, 4, False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_step(name):
+    """The loop's (loss, (aux losses, stream means)) and its gradients in the layers and the final router,
+    compiled once per scenario (the masks are arguments)."""
+    scenario, mode, block_layers, n_layers, hook = SCENARIOS[name]
+
+    def loss(layers, final, masks):
+        out_BTD, aux_L, means = reference(scenario, mode, block_layers, layers, final, masks, hook, n_layers)
+        return _loss(out_BTD, aux_L), (aux_L, means)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def _reference_grads(name, layers, final, masks):
+    masks = [{k: {"keep": v["keep"]} for k, v in m.items() if "keep" in v} for m in masks]  # the masks only
+    return _reference_step(name)(layers, final, masks)
+
+
+# ----------------------------------------------------------------------------- linen
+
+def _linen_stack(name, **kw):
+    scenario, mode, block_layers, n_layers, hook = SCENARIOS[name]
+    sublayers, pattern = LINEN_KINDS[scenario]
+    return DepthStack(sublayers, n_layers, mode, block_layers=block_layers, pattern=pattern,
+                      stream_hook=StreamDropout if hook else None, **kw)
+
+
+def _linen_call(stack, scenario, p, key):
+    kw = dict(memory_BMD=MEMORY_BMD) if scenario == "decoder" else {}
+    (out_BTD, outputs), written = stack.apply({"params": p}, E_BTD, deterministic=False, rngs={"dropout": key},
+                                              mutable=["intermediates"], **kw)
+    return out_BTD, outputs, written["intermediates"]
+
+
+@pytest.mark.parametrize("name, variants", [
+    ("local_global", ({}, dict(store_once=False), dict(scan=False))),
+    ("decoder", ({}, dict(group_layers=2), dict(scan=False))),
+])
+def test_linen_pattern_equals_the_loop(name, variants):
+    scenario, mode, block_layers, n_layers, hook = SCENARIOS[name]
+    init_stack = _linen_stack(name)
+    kw = dict(memory_BMD=MEMORY_BMD) if scenario == "decoder" else {}
+    params = _random_routers(nn.meta.unbox(init_stack.init(jax.random.key(0), E_BTD, **kw)["params"]))
+    layers = layer_params(params, init_stack)
+    if scenario == "local_global":  # a repeat of the pattern under layers/<i>, the last two layers apart
+        assert set(params) == {"layers", "remainder"} and set(params["layers"]) == {"0", "1", "2"}
+        assert params["layers"]["0"]["attn"]["q"].shape == (1, D, D) and set(params["remainder"]) == {"0", "1"}
+    for variant in variants:
+        stack = _linen_stack(name, **variant)
+        p = params
+        if not variant.get("scan", True):  # the same weights, one entry per layer
+            p = {**stack_params(layers, stack), **{k: v for k, v in params.items() if k not in ("layers", "remainder")}}
+            assert set(p) - {"final_router"} == {f"layers_{i}" for i in range(n_layers)}
+
+        def loss(p, stack=stack):
+            out_BTD, outputs, sown = _linen_call(stack, scenario, p, jax.random.key(7))
+            assert outputs["mlp"].shape == (n_layers,)  # each layer's auxiliary loss, on the layer axis
+            return _loss(out_BTD, outputs["mlp"]), sown
+
+        (value, sown), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
+        masks = layer_params(sown, stack)
+        keep = masks[0]["attn" if scenario == "local_global" else "self"]["keep"][0]
+        assert keep.shape == (B, T, D) and 0.5 < float(keep.mean()) < 0.9, variant  # dropout is on
+        (want, (aux, means)), (want_layers, want_final) = _reference_grads(name, layers, params.get("final_router"),
+                                                                           masks)
+        depth = sum(len(kind_of(scenario, i)[0]) for i in range(n_layers))
+        np.testing.assert_allclose(value, want, atol=64 * depth * EPS * max(1.0, abs(float(want))), rtol=0,
+                                   err_msg=str(variant))
+        _close(layer_params(grads, stack), want_layers, depth)
+        if want_final is not None:
+            _close(grads["final_router"], want_final, depth)
+        if hook:  # the hook's sown stream means, per layer and sublayer
+            got = [m[f"{n}_hook"]["mean"][0] for m, i in zip(masks, range(n_layers)) for n in kind_of(scenario, i)[0]]
+            _close(jnp.stack(got), means, depth)
+    assert float(jnp.abs(want_layers[-1]["mlp_router"]["query"]).max()) > 1e-3  # the routers learn
+
+
+# ----------------------------------------------------------------------------- NNX
+
+def _nnx_stack(name, params=None, **kw):
+    scenario, mode, block_layers, n_layers, hook = SCENARIOS[name]
+    sublayers, pattern = NNX_KINDS[scenario]
+    stack = NNXDepthStack(sublayers, n_layers, D, mode, block_layers=block_layers, pattern=pattern,
+                          stream_hook=(lambda rngs: NNXStreamDropout(rngs)) if hook else None, rngs=nnx.Rngs(0), **kw)
+    state = nnx.state(stack, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, params if params is not None else _random_routers(pure))
+    nnx.update(stack, state)
+    return stack
+
+
+@pytest.mark.parametrize("name, variants", [
+    ("local_global_aligned", ({}, dict(group_layers=1), dict(scan=False))),
+    ("decoder_kimi", ({}, dict(store_once=False), dict(scan=False))),
+])
+def test_nnx_pattern_equals_the_loop(name, variants):
+    """With an `nnx.Rngs` passed at call time (split per layer and sublayer), values sown through
+    `nnx.capture`, and the layer axis in every stacked variable's sharding metadata."""
+    scenario, mode, block_layers, n_layers, hook = SCENARIOS[name]
+    params = nnx.to_pure_dict(nnx.state(_nnx_stack(name), nnx.Param))
+    layers = layer_params(params, _nnx_stack(name, params))
+    kw = dict(memory_BMD=MEMORY_BMD) if scenario == "decoder" else {}
+    for variant in variants:
+        stack = _nnx_stack(name, params, **variant)
+        specs = nnx.get_partition_spec(nnx.state(stack, nnx.Param))
+        router = specs["layers"]["0"]["attn_router"] if scenario == "local_global" else specs["layers"]["self_router"]
+        assert router["query"].get_value() == jax.sharding.PartitionSpec("layers", "embed")  # the docs' logical names
+
+        @nnx.jit
+        def step(stack, rngs):
+            def loss(m, rngs):
+                (out_BTD, outputs), sown = nnx.capture(m, nnx.Intermediate)(E_BTD, rngs=rngs, **kw)
+                return _loss(out_BTD, outputs["mlp"]), sown
+            return nnx.value_and_grad(loss, has_aux=True)(stack, rngs)
+
+        rngs = nnx.Rngs(dropout=7)
+        (value, sown), grads = step(stack, rngs)
+        masks = layer_params(nnx.to_pure_dict(sown), stack)
+        first = "attn" if scenario == "local_global" else "self"
+        keep = masks[0][first]["keep"][0]
+        assert keep.shape == (B, T, D) and 0.5 < float(keep.mean()) < 0.9, variant
+        assert bool(jnp.any(keep != masks[1][first]["keep"][0]))  # each layer draws its own mask
+        (want, (aux, means)), (want_layers, want_final) = _reference_grads(name, layers, params.get("final_router"),
+                                                                           masks)
+        depth = sum(len(kind_of(scenario, i)[0]) for i in range(n_layers))
+        np.testing.assert_allclose(value, want, atol=64 * depth * EPS * max(1.0, abs(float(want))), rtol=0,
+                                   err_msg=str(variant))
+        grads = nnx.to_pure_dict(grads)
+        _close(layer_params(grads, stack), want_layers, depth)
+        if want_final is not None:
+            _close(grads["final_router"], want_final, depth)
+        if hook:
+            got = [m[f"{n}_hook"]["mean"][0] for m, i in zip(masks, range(n_layers)) for n in kind_of(scenario, i)[0]]
+            _close(jnp.stack(got), means, depth)
+        (_, again), _ = step(stack, rngs)  # the caller's Rngs advanced: new masks
+        assert bool(jnp.any(layer_params(nnx.to_pure_dict(again), stack)[0][first]["keep"][0] != keep))

@@ -16,6 +16,10 @@ epsilon, scaled by the depth and the values' size.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -28,6 +32,7 @@ from deltares.nn import BLOCK_MODES, DepthStack, layer_params, stack_params
 from deltares.nn.config import REPLACEMENT_MODES
 from deltares.nn.nnx import DepthStack as NNXDepthStack
 from deltares.nn.routing import depth_route
+from tests.jax_cache import ENV
 
 B, T, D, F, M = 2, 6, 8, 12, 3  # batch, tokens, width, MLP width, memory tokens
 RATE, HOOK_RATE = 0.3, 0.1
@@ -408,3 +413,92 @@ def test_nnx_pattern_equals_the_loop(name, variants):
             _close(jnp.stack(got), means, depth)
         (_, again), _ = step(stack, rngs)  # the caller's Rngs advanced: new masks
         assert bool(jnp.any(layer_params(nnx.to_pure_dict(again), stack)[0][first]["keep"][0] != keep))
+
+
+# ----------------------------------------------------------------------------- decoding with a per-layer cache
+
+class CachedAttn(nn.Module):
+    """Self-attention that, given a cache (keys, values [B, C, D]) and the position of its first
+    token, returns (delta, the updated cache): a per-layer input and output of the stack."""
+
+    window: int = 0
+
+    @nn.compact
+    def __call__(self, x_BTD, cache=None, pos=0):
+        return attention({n: _w(self, n, (D, D)) for n in "qkvo"}, x_BTD, self.window, cache=cache, pos=pos)
+
+
+class NNXCachedAttn(NNXAttn):
+    def __call__(self, x_BTD, cache=None, pos=0):
+        return attention({n: getattr(self, n)[...] for n in "qkvo"}, x_BTD, self.window, cache=cache, pos=pos)
+
+
+class PlainMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x_BTD):
+        return mlp({"up": _w(self, "up", (D, F)), "down": _w(self, "down", (F, D))}, x_BTD, 0)[0]
+
+
+class NNXPlainMLP(NNXMLP):
+    def __call__(self, x_BTD):
+        return mlp({"up": self.up[...], "down": self.down[...]}, x_BTD, 0)[0]
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_decoding_with_a_per_layer_cache_equals_the_full_forward(framework):
+    """Gemma's pattern (a local layer, a global one; three layers: a remainder of one) decodes with each
+    layer's key/value cache passed in on the layer axis (`per_layer`) and returned as the attention
+    sublayers' output: the prompt in one call, then one token per call. Every position's output equals
+    the full forward pass's (no cache)."""
+    n_layers, C, P = 3, T, 3
+    kinds = ({"local": {"attn": functools.partial(CachedAttn, 2), "mlp": PlainMLP}, "global": {"attn": CachedAttn, "mlp": PlainMLP}}
+             if framework == "linen" else
+             {"local": lambda rngs: {"attn": NNXCachedAttn(rngs, 2), "mlp": NNXPlainMLP(rngs)},
+              "global": lambda rngs: {"attn": NNXCachedAttn(rngs), "mlp": NNXPlainMLP(rngs)}})
+    if framework == "linen":
+        stack = DepthStack(kinds, n_layers, "full_attnres", pattern=("local", "global"))
+        params = _random_routers(nn.meta.unbox(stack.init(jax.random.key(0), E_BTD)["params"]))
+
+        call = jax.jit(lambda e_BTD, **kw: stack.apply({"params": params}, e_BTD, **kw))
+    else:
+        stack = NNXDepthStack(kinds, n_layers, D, "full_attnres", pattern=("local", "global"), rngs=nnx.Rngs(0))
+        state = nnx.state(stack, nnx.Param)
+        nnx.replace_by_pure_dict(state, _random_routers(nnx.to_pure_dict(state)))
+        nnx.update(stack, state)
+        call = nnx.jit(lambda e_BTD, **kw: stack(e_BTD, **kw))
+    full_BTD = call(E_BTD)
+    cache = tuple(jnp.zeros((n_layers, B, C, D)) for _ in range(2))
+    out_BTD, outputs = call(E_BTD[:, :P], per_layer={"cache": cache}, pos=jnp.int32(0))
+    steps = [out_BTD]
+    for t in range(P, T):
+        cache = outputs["attn"]
+        assert jax.tree.map(jnp.shape, cache) == ((n_layers, B, C, D),) * 2
+        out_BTD, outputs = call(E_BTD[:, t: t + 1], per_layer={"cache": cache}, pos=jnp.int32(t))
+        steps.append(out_BTD)
+    decoded_BTD = jnp.concatenate(steps, axis=1)
+    np.testing.assert_allclose(decoded_BTD, full_BTD, atol=64 * 6 * EPS * max(1.0, float(jnp.abs(full_BTD).max())),
+                               rtol=0)
+    assert float(jnp.abs(full_BTD[:, 1:] - full_BTD[:, :1]).max()) > 0.1  # positions differ: attention matters
+
+
+# ----------------------------------------------------------------------------- NNX under a mesh
+
+def test_nnx_optimizer_steps_on_a_mesh_equal_one_device():
+    """A small NNX language model whose layers are a DepthStack (local/global pattern, a remainder,
+    delta_block) trains 3 AdamW steps under an Explicit mesh of fsdp=2 x tensor=2 on 4 simulated CPU
+    devices (tests/nnx_mesh_worker.py: the device count is fixed when JAX starts) as on one device:
+    every stacked variable carries the layer axis in front of its logical names, so its sharding
+    has as many entries as the array has axes (without it the optimizer's update fails)."""
+    env = dict(ENV)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "nnx_mesh_worker.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(got["mesh"], got["single"], rtol=64 * EPS)
+    assert got["moved"] > 1e-3  # the steps moved the parameters...
+    assert got["max_param_diff"] <= 64 * EPS * got["param_scale"] * 3  # ...to the same place (3 steps)
+    # logical names with the layer axis in front (the rules map layers to no mesh axis), and the array so laid out
+    assert got["up_spec"] == got["up_sharding"] == "P(None, 'fsdp', 'tensor')" and got["up_shape"] == [1, 16, 32]
+    assert got["router_spec"] == "P(None, 'fsdp')"
+    assert got["remainder_up_spec"] == "P('fsdp', 'tensor')" and got["remainder_router_spec"] == "P('fsdp',)"

@@ -502,3 +502,121 @@ def test_nnx_optimizer_steps_on_a_mesh_equal_one_device():
     assert got["up_spec"] == got["up_sharding"] == "P(None, 'fsdp', 'tensor')" and got["up_shape"] == [1, 16, 32]
     assert got["router_spec"] == "P(None, 'fsdp')"
     assert got["remainder_up_spec"] == "P('fsdp', 'tensor')" and got["remainder_router_spec"] == "P('fsdp',)"
+
+
+# ----------------------------------------------------------------------------- weights in and out
+
+def _loop_model(scenario, layers, n_layers):
+    """The unrouted model a stack converts: x = h, h += v, its layers written as a loop."""
+    h_BTD = E_BTD
+    for index in range(n_layers):
+        names, window = kind_of(scenario, index)
+        for name in names:
+            if name == "mlp":
+                v_BTD = mlp(layers[index]["mlp"], h_BTD, index)[0]
+            elif name == "cross":
+                v_BTD = attention(layers[index]["cross"], h_BTD, memory_BMD=MEMORY_BMD)
+            else:
+                v_BTD = attention(layers[index][name], h_BTD, window)
+            h_BTD = h_BTD + v_BTD
+    return h_BTD
+
+
+def _loop_weights(scenario, n_layers, seed=3):
+    keys = iter(jax.random.split(jax.random.key(seed), 8 * n_layers))
+    layers = []
+    for index in range(n_layers):
+        layer = {}
+        for name in kind_of(scenario, index)[0]:
+            if name == "mlp":
+                layer[name] = {"up": jax.random.normal(next(keys), (D, F)) * 0.5, "down": jax.random.normal(next(keys), (F, D)) * 0.5}
+            else:
+                layer[name] = {n: jax.random.normal(next(keys), (D, D)) * 0.5 for n in "qkvo"}
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_weights_moved_in_give_the_unrouted_model_at_zero_init(framework):
+    """An unrouted model's per-layer weights (a loop's list) moved into a routed stack (`stack_params`, the
+    routers from the stack's own init: zero queries and, with `gate`, zero gates): the stack computes the
+    loop's function. (Zero queries alone route uniformly, and in the Delta modes the sources sum to the
+    stream, so pre-normed sublayers would see the same input either way: the check that it can fail
+    redraws the queries, which the zero gates still keep out.)"""
+    scenario, n_layers = "local_global", 5
+    loop_layers = _loop_weights(scenario, n_layers)
+    want_BTD = _loop_model(scenario, loop_layers, n_layers)
+    sublayers, pattern = (LINEN_KINDS if framework == "linen" else NNX_KINDS)[scenario]
+    for gate, queries in ((True, "init"), (True, "random"), (False, "random")):
+        if framework == "linen":
+            stack = DepthStack(sublayers, n_layers, "delta_block", block_layers=2, pattern=pattern, gate=gate)
+            like = nn.meta.unbox(stack.init(jax.random.key(0), E_BTD)["params"])
+            like = like if queries == "init" else _random_routers(like)
+            got_BTD = stack.apply({"params": stack_params(loop_layers, stack, like=like)}, E_BTD)[0]
+        else:
+            stack = NNXDepthStack(sublayers, n_layers, D, "delta", pattern=pattern, gate=gate, rngs=nnx.Rngs(0))
+            state = nnx.state(stack, nnx.Param)
+            like = nnx.to_pure_dict(state)
+            like = like if queries == "init" else _random_routers(like)
+            nnx.replace_by_pure_dict(state, stack_params(loop_layers, stack, like=like))
+            nnx.update(stack, state)
+            got_BTD = stack(E_BTD)[0]
+        close = np.allclose(got_BTD, want_BTD, atol=64 * 10 * EPS * max(1.0, float(jnp.abs(want_BTD).max())), rtol=0)
+        assert close == gate, (gate, queries, float(jnp.abs(got_BTD - want_BTD).max()))
+
+
+def test_weights_round_trip_exactly_in_every_layout():
+    params_of = {}
+    for name, stack in {
+        "one kind": DepthStack((Attn, PlainMLP), 3, "delta"),
+        "pattern": _linen_stack("local_global"),
+        "pattern unrolled": _linen_stack("local_global", scan=False),
+        "nnx pattern": _nnx_stack("local_global"),
+    }.items():
+        if isinstance(stack, nn.Module):
+            params = nn.meta.unbox(stack.init(jax.random.key(0), E_BTD)["params"])
+        else:
+            params = nnx.to_pure_dict(nnx.state(stack, nnx.Param))
+        layers = layer_params(params, stack)
+        assert len(layers) == stack_len(stack) and {"attn", "mlp", "attn_router", "mlp_router"} <= set(layers[0])
+        back = stack_params(layers, stack, like=params)
+        assert jax.tree.structure(back) == jax.tree.structure(params), name
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name  # exact
+        named = layer_params(params, stack, names="h.{}")
+        assert list(named) == [f"h.{i}" for i in range(len(layers))]
+        again = stack_params(dict(reversed(list(named.items()))), stack, like=params)  # by the index in the name
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)))
+        params_of[name] = (stack, params, layers)
+    # the layouts: a pattern's repeats under layers/<i>, the remainder apart; unrolled one entry per layer
+    _, params, layers = params_of["pattern"]
+    assert np.array_equal(params["layers"]["2"]["attn"]["q"][0], layers[2]["attn"]["q"])
+    assert np.array_equal(params["remainder"]["1"]["mlp"]["up"], layers[4]["mlp"]["up"])
+    stack, params, _ = params_of["pattern unrolled"]
+    assert {f"layers_{i}" for i in range(5)} <= set(params)
+
+
+def stack_len(stack):
+    return stack.n_layers if isinstance(stack, nn.Module) else stack.routing.n_layers
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda layers: layers[:-1], "4 per-layer trees for a stack of 5 layers"),
+    (lambda layers: {f"layer{i}_v2": layer for i, layer in enumerate(layers)}, "exactly one layer index"),
+    (lambda layers: {**{f"h.{i}": layer for i, layer in enumerate(layers)}, "x.3": layers[3]}, "both name layer 3"),
+    (lambda layers: {f"h.{i + 1}": layer for i, layer in enumerate(layers)}, r"number the layers 0 \.\. n - 1"),
+    (lambda layers: [{**layer, "extra": {"w": jnp.ones(3)}} if i == 2 else layer for i, layer in enumerate(layers)],
+     r"layer 2 has \['extra'\]\['w'\], which the stack's layer 2 has not"),
+    (lambda layers: [{**layer, "mlp": {**layer["mlp"], "up": jnp.ones((D, F + 1))}} if i == 4 else layer
+                     for i, layer in enumerate(layers)], r"layer 4\['mlp'\]\['up'\] is float32\[8, 13\], the stack's is float32\[8, 12\]"),
+    (lambda layers: [{**layer, "mlp": {**layer["mlp"], "up": layer["mlp"]["up"].astype(jnp.bfloat16)}} if i == 0 else layer
+                     for i, layer in enumerate(layers)], r"layer 0\['mlp'\]\['up'\] is bfloat16\[8, 12\]"),
+    (lambda layers: "layers", "a list of per-layer parameter trees"),
+])
+def test_weights_that_do_not_fit_are_one_clear_error(change, words):
+    stack = _linen_stack("local_global")
+    params = nn.meta.unbox(stack.init(jax.random.key(0), E_BTD)["params"])
+    with pytest.raises(ValueError, match=words):
+        stack_params(change(layer_params(params, stack)), stack, like=params)
+    with pytest.raises(ValueError, match="have no 'remainder'"):  # another stack's parameters
+        layer_params({"layers": params["layers"]}, stack)

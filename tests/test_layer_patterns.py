@@ -620,3 +620,54 @@ def test_weights_that_do_not_fit_are_one_clear_error(change, words):
         stack_params(change(layer_params(params, stack)), stack, like=params)
     with pytest.raises(ValueError, match="have no 'remainder'"):  # another stack's parameters
         layer_params({"layers": params["layers"]}, stack)
+
+
+# ----------------------------------------------------------------------------- mistakes
+
+class OtherOutput(nn.Module):
+    @nn.compact
+    def __call__(self, x_BTD):
+        return x_BTD * 0.0, jnp.zeros((2,))
+
+
+def test_bad_layer_kinds_patterns_hooks_and_per_layer_values_are_one_clear_error():
+    kinds, pattern = LINEN_KINDS["local_global"]
+    cases = [
+        (dict(sublayers=kinds, pattern=("local", "glob")), "pattern names 'glob', which is not a layer kind"),
+        (dict(sublayers=kinds, pattern=("local",)), "layer kind 'global' is not in the pattern"),
+        (dict(sublayers=kinds, pattern=("local", "global") * 3), "the pattern has 6 layers, more than the stack's n_layers=5"),
+        (dict(sublayers={"attn": Attn, "local": {"mlp": MLP}}), "not a mix"),
+        (dict(sublayers=kinds, pattern=pattern, names=("a", "b")), "names come from the mappings' keys"),
+        (dict(sublayers=(Attn, PlainMLP), pattern=("a",)), "pattern names layer kinds"),
+        (dict(sublayers=(Attn, PlainMLP, PlainMLP)), r"3 sublayers and 2 names \('attn', 'mlp'\)"),
+        (dict(sublayers={"local": {}, "global": {"mlp": MLP}}), "of layer kind 'local' need names"),
+        (dict(sublayers=kinds, pattern=pattern, stream_hook=StreamDropout()), "stream_hook must be a linen Module class"),
+        (dict(sublayers=kinds, pattern=pattern, mode="delta_block", block_layers=2, group_layers=1),
+         "needs blocks of whole pattern repeats: block_layers=2 is not a multiple of the pattern's 3 layers"),
+    ]
+    for kw, words in cases:
+        kw = {"n_layers": 5, "mode": "delta", **kw}
+        with pytest.raises(ValueError, match=words):
+            DepthStack(**kw).init(jax.random.key(0), E_BTD)
+    stack = DepthStack(kinds, 5, "delta", pattern=pattern)
+    variables = stack.init(jax.random.key(0), E_BTD)
+    with pytest.raises(ValueError, match=r"per_layer\['cache'\] holds an array of shape \(3, 2\)"):
+        stack.apply(variables, E_BTD, per_layer={"cache": jnp.zeros((3, 2))})
+    with pytest.raises(TypeError, match="keyword argument 'cache', which no sublayer"):
+        DepthStack({"a": Attn, "b": PlainMLP, "c": PlainMLP}, 2, "delta").init(jax.random.key(0), E_BTD,
+                                                                             per_layer={"cache": jnp.zeros((2, 1))})
+    odd = {"local": {"attn": Attn, "mlp": MLP}, "global": {"attn": OtherOutput, "mlp": PlainMLP}}
+    with pytest.raises(ValueError, match="outputs differ between layer 1 and layer 0"):
+        DepthStack(odd, 2, "delta").init(jax.random.key(0), E_BTD)
+    nnx_kinds, nnx_pattern = NNX_KINDS["local_global"]
+    nnx_cases = [
+        (dict(sublayers=nnx_kinds, pattern=("local", "glob")), "pattern names 'glob', which is not a layer kind"),
+        (dict(sublayers=lambda rngs: (NNXAttn(rngs),)), r"must return 2 modules \(names \('attn', 'mlp'\)\)"),
+        (dict(sublayers=nnx_kinds, pattern=nnx_pattern, stream_hook=NNXStreamDropout(nnx.Rngs(0))), "stream_hook must be"),
+        (dict(sublayers=nnx_kinds, pattern=nnx_pattern, mode="block_attnres", block_layers=2, group_layers=1),
+         "needs blocks of whole pattern repeats"),
+    ]
+    for kw, words in nnx_cases:
+        kw = {"n_layers": 5, "d_model": D, "mode": "delta", "rngs": nnx.Rngs(0), **kw}
+        with pytest.raises(ValueError, match=words):
+            NNXDepthStack(**kw)

@@ -43,14 +43,9 @@ class DepthRouter(nnx.Module):
         epsilon: the key norm's epsilon (the one the cached 1/rms of the sources was taken with).
         dtype: the routed output's dtype (default the sources').
         param_dtype: the parameters' dtype.
-        query_init, gain_init: initialisers of the query (default zeros: uniform routing at step 0)
-            and the gain (ones).
+        query_init: the query's initialiser (default zeros: uniform routing at step 0).
+        gain_init: the gain's initialiser (default ones).
         rngs: for initialisers that draw (the defaults are constants).
-
-    Called as `router(sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None) -> (out_BTD,
-    weights_SBT)`: sources [S, B, T, D], their 1/rms [S, B, T], `valid` [S] bool (or broadcastable to
-    [S, B, T]); with `residual_BTD` the output is residual + route (the Delta modes), else route (the
-    Kimi modes); weights [S, B, T] (None from a fused kernel).
 
     Example:
         ```python
@@ -79,6 +74,16 @@ class DepthRouter(nnx.Module):
             setattr(self, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
 
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
+        """Routes the sources; returns (out_BTD, weights_SBT or None).
+
+        Args:
+            sources_SBTD: the sources [S, B, T, D] (or a sequence of S arrays [B, T, D]).
+            inv_rms_SBT: each source's 1/rms [S, B, T] (float32, `routing.inv_rms` with `epsilon`).
+            valid: [S] bool, or broadcastable to [S, B, T]: the sources routed over (at least one).
+            residual_BTD: the stream [B, T, D]: with it out = residual + route (the Delta modes), else
+                route (the Kimi modes).
+            prefix: two-phase routing's (out [B, T, D], lse [B, T]) over earlier sources.
+        """
         params = {name: getattr(self, name)[...] for name in self.param_names}
         out_BTD, weights_SBT = apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, impl=self.impl,
                                             interpret=self.interpret, eps=self.epsilon, prefix=prefix)
@@ -105,7 +110,9 @@ class StackLayer(nnx.Module):
         names: their names.
         d_model: D.
         routed: whether the mode routes (else no routers: baseline).
-        gate, null_source, epsilon: the routers' (`DepthRouter`).
+        gate: the routers' gate (`DepthRouter`).
+        null_source: the routers' null source.
+        epsilon: the routers' key-norm epsilon.
         router_kw: the routers' other arguments (impl, interpret, dtype, param_dtype, query_init, gain_init).
         hooks: the stream hook module of each sublayer, or None.
 
@@ -131,11 +138,18 @@ class StackLayer(nnx.Module):
             setattr(self, f"{name}_hook", hook)
 
     def pairs(self, args, kwargs=None, index=None, call_rngs=None, first_position: int = 0, hook_function=None):
-        """[(router, f, hook)] for `DepthRouting.layer`, each f(x) = sublayer(x, *args, **the kwargs it takes),
-        with `layer_index` (an int32 scalar) where it names it and, for each keyword of `call_rngs`
-        ({keyword: {stream: key}}), an `nnx.Rngs` of its own per sublayer and per hook (sublayer `first_position`
-        + k of the unit);
-        the hook: the sublayer's hook module, else `hook_function`."""
+        """The layer's [(router, f, hook)] for `DepthRouting.layer`.
+
+        Args:
+            args: passed to every sublayer after its input: f(x) = sublayer(x, *args, **kw).
+            kwargs: keyword arguments, each given to the sublayers (and hooks) that take it (TypeError
+                where none does).
+            index: the layer's index, given as `layer_index` (an int32 scalar) to a sublayer naming it.
+            call_rngs: {keyword: {stream: key}}: each sublayer and each hook taking the keyword gets an
+                `nnx.Rngs` of its own, drawn from the keys folded with its position in the unit.
+            first_position: the layer's first sublayer's position in its unit.
+            hook_function: the stream hook where the layer holds no hook module.
+        """
         from deltares.nn.stack import LAYER_INDEX, SUBLAYER, check_keywords, takes_keyword  # noqa: PLC0415 - stack imports routed, which imports this module
 
         kwargs = dict(kwargs or {})
@@ -164,7 +178,24 @@ class StackLayer(nnx.Module):
 
     def run(self, routing_, state, unit, args, kwargs, xs, call_rngs, only=None, prefix=None, stats=False, index=None,
             first=None, first_position: int = 0, hook_function=None):
-        """The layer on the depth state (`DepthRouting.layer`); `xs`: its per-layer keyword arguments."""
+        """The layer on the depth state (`DepthRouting.layer`): its result.
+
+        Args:
+            routing_: the stack's `DepthRouting`.
+            state: the depth state before the layer.
+            unit: the index of the layer's unit (its layer where the units are single layers).
+            args: passed to every sublayer after its input.
+            kwargs: keyword arguments (see `pairs`).
+            xs: the layer's slice of the per-layer keyword arguments.
+            call_rngs: see `pairs`.
+            only: `DepthRouting.layer`'s: sublayer k alone (a store-once backward pass).
+            prefix: the layer's two-phase routing `Prefix`.
+            stats: also return the routing statistics.
+            index: the layer's index (default `unit`).
+            first: the layer's first sublayer (default the plan's, from `unit`).
+            first_position: see `pairs`.
+            hook_function: see `pairs`.
+        """
         pairs = self.pairs(args, {**kwargs, **(xs or {})}, unit if index is None else index, call_rngs, first_position,
                            hook_function)
         return routing_.layer(state, unit, pairs, only=only, prefix=prefix, stats=stats, first=first)
@@ -282,17 +313,26 @@ class DepthStack(nnx.Module):
         mode: the residual scheme (deltares.nn.MODES).
         block_layers: layers per block of the block modes (whole layers, whatever their sublayers).
         include_partial: block modes, whether a sublayer reads its block's partial sum.
-        gate, null_source: the routers' (a converted model's: with `gate` routing starts at zero).
+        gate: the routers' scalar gate (a converted model's: routing starts at zero, and the stack then
+            computes the unrouted model).
+        null_source: the routers' learned null source.
         epsilon: the routers' key-norm epsilon.
-        remat: recompute each unit in the backward pass (`policy`: a jax.checkpoint policy); the routed
-            modes then run the store-once pass (deltares.nn.depth.depth_scan) unless `store_once=False`.
+        remat: recompute each unit in the backward pass; the routed modes then run the store-once pass
+            (deltares.nn.depth.depth_scan) unless `store_once=False`.
+        policy: the units' jax.checkpoint policy.
+        store_once: False: plain autodiff of the scan (the reference).
         scan: False runs the units as a Python loop (parameters stay stacked; each sublayer reads only
             the sources it needs; a longer program, compiled slower).
         names: the sublayers' names where `sublayers` returns a tuple (default attention, MLP).
         axis_names: your logical axis names of the stream and the source buffer (deltares.nn.axes).
-        group_layers: > 0, two-phase routing in groups of that many units; `scan_segments`: the
-            store-once pass in segments (the same math).
-        impl, interpret, dtype, param_dtype, query_init, gain_init: the routers' (`DepthRouter`).
+        group_layers: where positive, two-phase routing in groups of that many units (the same math).
+        scan_segments: the store-once pass in that many segments (the same math).
+        impl: the routers' implementation (`DepthRouter`).
+        interpret: run a Pallas kernel in interpret mode.
+        dtype: the routed inputs' dtype (default the stream's).
+        param_dtype: the routers' parameters' dtype.
+        query_init: the routers' query initialiser (default zeros).
+        gain_init: the routers' gain initialiser (default ones).
         stats: sow the routing statistics (deltares.nn.routed.sublayer_stats) as `nnx.Intermediate`
             `routing_stats` at every call.
         pattern: a sequence of layer kinds (default each kind once, in order): layer l is of kind
@@ -413,6 +453,21 @@ class DepthStack(nnx.Module):
         return tuple(jnp.stack([jnp.asarray(r[key][...]) for r in routers]) for key in ("query", "gain"))
 
     def __call__(self, e_BTD, *args, per_layer=None, **kwargs):
+        """The stack on the embeddings.
+
+        Args:
+            e_BTD: the embeddings [B, T, D].
+            *args: passed to every sublayer after its input, the same for every layer.
+            per_layer: keyword arguments whose values have a leading layer axis [n_layers, ...]: each
+                layer gets its slice, where its sublayers' `__call__` takes the keyword.
+            **kwargs: keyword arguments each reaching only the sublayers (and stream hooks) whose
+                `__call__` takes them (TypeError where none does); an `nnx.Rngs` is split per layer and
+                sublayer.
+
+        Returns:
+            out [B, T, D], before your final norm; where a sublayer returns (delta, output), (out,
+            outputs): {sublayer name: its outputs stacked on the layer axis [n_layers, ...]}.
+        """
         from deltares.nn.routed import sublayer_stats  # noqa: PLC0415 - routed imports this module's router
         from deltares.nn.stack import check_per_layer, layer_outputs  # noqa: PLC0415
 
@@ -518,4 +573,4 @@ def _split_written(out):
     return out
 
 
-__all__ = ["DepthRouter", "DepthStack", "StackLayer", "StackUnit"]
+__all__ = ["DepthRouter", "DepthStack", "StackLayer"]

@@ -40,16 +40,54 @@ from deltares.nn.depth import (
 from deltares.nn.layers import DepthRouter, apply_router, init_router_params
 from deltares.nn.residual import ResidualPlan, make_plan
 
+
 @dataclasses.dataclass(frozen=True)
 class DepthRouting:
-    """The residual scheme of a stack of `n_layers` layers (no parameters: those live in the
-    routers). `epsilon` is the key norm's (config.model.norm_eps). `axis_names`: your logical
-    axis names for the roles `batch`, `length`, `embed`, `sources` of the stream and the source
-    buffer (deltares.nn.axes; default deltares' own names and rules). `group_layers` and
-    `scan_segments`: how the store-once pass runs (config.model.residual's fields of those names;
-    the same math). `sublayers`: the sublayers of every layer (2: attention, MLP), or one count per
-    layer; `unit_layers`: the layers a scanned stack runs as one unit (a layer pattern's length; the
-    plan's units, deltares.nn.residual)."""
+    """The residual scheme of a stack of `n_layers` layers, for a layer loop of your own: which
+    sources each sublayer routes over, its input, and where its delta goes (no parameters: those
+    live in the routers). Sublayers are numbered j = 0 .. J-1 in depth order.
+
+    Args:
+        mode: the residual scheme (deltares.nn.MODES).
+        n_layers: L.
+        block_layers: layers per block of the block modes (1 in the others); the last block may be shorter.
+        include_partial: block modes, whether a sublayer routes over its block's partial sum.
+        epsilon: the routers' key-norm epsilon (config.model.norm_eps).
+        axis_names: your logical axis names for the roles `batch`, `length`, `embed`, `sources` of
+            the stream and the source buffer (deltares.nn.axes; default deltares' own names and rules).
+        group_layers: units per two-phase routing group of the store-once pass (`stack`).
+        scan_segments: segments of the store-once pass (the same math).
+        sublayers: the sublayers of every layer (2: attention, MLP), or one count per layer.
+        unit_layers: the layers a scanned stack runs as one unit (a layer pattern's length).
+
+    Example:
+        ```python
+        import flax.linen as nn
+        import jax
+        from deltares.nn import DepthRouter, DepthRouting
+
+
+        class Stack(nn.Module):  # a decoder of three sublayers a layer, written as a loop
+            n_layers: int = 3
+
+            @nn.compact
+            def __call__(self, e_BTD, memory_BMD):
+                routing = DepthRouting("delta_block", self.n_layers, block_layers=2, sublayers=3)
+                state = routing.start(e_BTD)                         # stream h = e, source slot 0 = e
+                for j in range(3 * self.n_layers):                   # self-attention, cross-attention, MLP
+                    x_BTD = routing.input(state, j, DepthRouter(name=f"router_{j}"))  # h_j + route(S_j)
+                    y_BTD = nn.RMSNorm()(x_BTD)
+                    if j % 3 == 1:                                   # cross-attention reads the memory
+                        y_BTD = nn.MultiHeadDotProductAttention(2)(y_BTD, memory_BMD)
+                    state = routing.add(state, j, nn.Dense(x_BTD.shape[-1])(y_BTD))
+                return routing.output(state)                         # h_J (the Kimi modes: routed)
+
+
+        e_BTD, memory_BMD = jax.numpy.ones((2, 5, 8)), jax.numpy.ones((2, 3, 8))
+        variables = Stack().init(jax.random.key(0), e_BTD, memory_BMD)
+        print(Stack().apply(variables, e_BTD, memory_BMD).shape)  # (2, 5, 8)
+        ```
+    """
 
     mode: Mode
     n_layers: int
@@ -93,7 +131,12 @@ class DepthRouting:
 
     @classmethod
     def from_config(cls, model_cfg) -> DepthRouting:
-        """The routing of a deltares `config.model`."""
+        """The routing of a deltares `config.model`: its mode, depth, block size, key-norm epsilon and
+        store-once settings.
+
+        Args:
+            model_cfg: a `config.model` (`model_config`).
+        """
         res = model_cfg.residual
         block_layers = res.block_layers if res.mode in BLOCK_MODES else 1  # one field for every mode of an experiment
         return cls(res.mode, model_cfg.n_layers, block_layers, res.include_partial, model_cfg.norm_eps,
@@ -119,15 +162,27 @@ class DepthRouting:
                              f"{self.plan.n_sublayers - 1}")
 
     def start(self, e_BTD) -> DepthState:
-        """The depth state before sublayer 0: stream e, and e in source slot 0."""
+        """The depth state before sublayer 0: stream e, and e in source slot 0.
+
+        Args:
+            e_BTD: the embeddings [B, T, D].
+        """
         with self.names():
             return init_depth_state(e_BTD, self.plan, self.epsilon)
 
     def input(self, state: DepthState, j, router=None, *, return_weights: bool = False, final: bool = False):
-        """Sublayer j's input x_j [B, T, D]; with `return_weights` also (weights [S, B, T] or None).
-        `router` is called in every mode but baseline (even where j has one source, so every
-        sublayer has parameters, as in deltares' Transformer). `final`: `state` holds the final
-        source buffer (a store-once backward pass, `layer(only=)`)."""
+        """Sublayer j's input x_j [B, T, D]: h_j + route(S_j) in the Delta modes, route(S_j) in the
+        Kimi modes, h_j in baseline.
+
+        Args:
+            state: the depth state (`start`, then `add`).
+            j: the sublayer's index (an int, or traced in a scanned loop).
+            router: its router (a linen `DepthRouter`, an NNX `deltares.nn.nnx.DepthRouter`, or a
+                parameter dict `{"query": [D], "gain": [D]}`); called in every mode but baseline, even
+                where j has one source, so that every sublayer has parameters.
+            return_weights: also return the routing weights [S, B, T] (None in baseline or from a kernel).
+            final: `state` holds the final source buffer (a store-once backward pass, `layer(only=)`).
+        """
         x_BTD, weights_SBT, _ = self._input(state, j, router, final)
         return (x_BTD, weights_SBT) if return_weights else x_BTD
 
@@ -141,7 +196,13 @@ class DepthRouting:
             return sublayer_input(self.plan, state, j, router, _has_null(router), self.epsilon, final, prefix)
 
     def add(self, state: DepthState, j, v_BTD) -> DepthState:
-        """Adds sublayer j's delta v_j to the stream and to its source slot."""
+        """The depth state after sublayer j: its delta added to the stream and to its source slot.
+
+        Args:
+            state: the depth state before sublayer j.
+            j: the sublayer's index.
+            v_BTD: its delta [B, T, D] (ValueError for another shape).
+        """
         self._check_index(j)
         if jnp.shape(v_BTD) != jnp.shape(state.h_BTD):
             which = f"sublayer {j}" if isinstance(j, int) else "a sublayer of a scanned layer"
@@ -151,23 +212,39 @@ class DepthRouting:
             return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.epsilon)
 
     def output(self, state: DepthState, final_router=None):
-        """The stack's output before the final norm (Kimi modes: routed with `final_router`)."""
+        """The stack's output [B, T, D] before your final norm.
+
+        Args:
+            state: the depth state after the last sublayer.
+            final_router: the Kimi modes' router of the output (a router as in `input`), which routes
+                over every source; the other modes return the stream.
+        """
         with self.names():
             return stack_output(self.plan, state, self._callable(final_router) if self.uses_final_router else None)
 
     def layer(self, state: DepthState, layer, sublayers: Sequence[tuple], only=None, prefix: Prefix | None = None,
               stats: bool = False, first=None):
-        """Layer `layer` (may be traced where every layer has as many sublayers): `sublayers` =
-        [(router, f)] or [(router, f, hook)] of its sublayers in depth order. `f(x)` returns the
-        sublayer's delta [B, T, D], or a pair (delta, output): an output any sublayer returns makes
-        the layer's result `(state, depth.Outputs(outputs, stats))`, one output (or None) per sublayer,
-        differentiated. `hook(h)` (optional) maps the stream after the sublayer's delta is added to the
-        stream the next sublayer sees; the sublayer's source slot then holds hook(h + v) - h, so routing
-        reads what the stream holds. `first`: the layer's first sublayer (default: its index in the
-        plan). Returns (state, None), with `stats` (state, its sublayers' `routing_stats`, leading axis
-        its sublayer count), or with `only` = k sublayer k's (delta, its 1/rms[, output]) without
-        writing (the protocol of deltares.nn.depth.depth_scan, whose two-phase routing passes the
-        layer's `prefix`)."""
+        """Runs one layer's sublayers on the depth state: each routed input, its sublayer, its delta added.
+
+        Args:
+            state: the depth state before the layer.
+            layer: the layer's index (may be traced where every layer has as many sublayers).
+            sublayers: [(router, f)] or [(router, f, hook)] of its sublayers in depth order. `f(x)` returns
+                the sublayer's delta [B, T, D], or a pair (delta, output). `hook(h)` (optional) maps the
+                stream after the delta is added to the stream the next sublayer sees; the sublayer's
+                source slot then holds hook(h + v) - h, so routing reads what the stream holds.
+            only: k: sublayer k alone on `state` (holding the final buffer: a store-once backward
+                pass, deltares.nn.depth.depth_scan's protocol), writing nothing.
+            prefix: the layer's two-phase routing `Prefix` (depth_scan with `queries_fn`).
+            stats: also return each sublayer's routing statistics (`routing_stats`).
+            first: the layer's first sublayer index (default: its index in the plan).
+
+        Returns:
+            (state, None); with `stats` (state, the statistics stacked on a leading axis of the layer's
+            sublayers); where any sublayer returned an output (state, `depth.Outputs(outputs, stats)`), one
+            output (or None) per sublayer, differentiated; with `only` the sublayer's (delta, its 1/rms[,
+            output]).
+        """
         n = len(sublayers)
         if first is None:
             if isinstance(layer, int):
@@ -215,11 +292,16 @@ class DepthRouting:
         return state, stats_out
 
     def stack(self, sublayers_of: Callable, params_L, e_BTD, *, store_once: bool = True, remat: bool = True):
-        """All L layers as one scan over `params_L` (a pytree stacked on a leading L axis);
-        `sublayers_of(params_l)` returns that layer's [(router, f)] (see `layer`). Returns the
-        final DepthState (then `output`). `store_once` (routed modes) runs deltares.nn.depth.depth_scan,
-        whose backward pass keeps one source buffer instead of one per layer; otherwise plain AD of
-        a scan, each layer rematerialised with `remat`."""
+        """All L identical layers as one scan, differentiable; returns the final depth state (then `output`).
+
+        Args:
+            sublayers_of: `sublayers_of(params_l)` returns layer l's [(router, f)] (see `layer`).
+            params_L: the layers' parameters, a pytree stacked on a leading axis [L, ...].
+            e_BTD: the embeddings [B, T, D].
+            store_once: in the routed modes, run deltares.nn.depth.depth_scan, whose backward pass keeps
+                one source buffer instead of one per layer; otherwise plain autodiff of the scan.
+            remat: with plain autodiff, recompute each layer in the backward pass.
+        """
 
         def layer_fn(params_l, state, layer, only=None):
             return self.layer(state, layer, sublayers_of(params_l), only=only)

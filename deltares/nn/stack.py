@@ -568,66 +568,114 @@ def layer_outputs(position_outputs, tail_outputs, n_units: int):
 
 
 class DepthStack(nn.Module):
-    """`n_layers` layers of your own sublayers under residual `mode`, one depth router per sublayer.
+    """`n_layers` layers of your own sublayers under residual `mode`, one depth router per sublayer,
+    as one linen module: the layers' parameters stacked on a leading layer axis, the source
+    bookkeeping, and under `remat` the store-once backward pass (deltares.nn.depth.depth_scan),
+    which keeps one source buffer instead of one per layer.
 
-    Call: `stack(e_BTD, *args, per_layer=None, **kwargs) -> out_BTD`, e and out [B, T, D] (out
-    before your final norm; the Kimi modes route it with one more router, `final_router`); where a
-    sublayer returns (delta, output), `-> (out_BTD, outputs)`, outputs {sublayer name: value
-    stacked [n_layers, ...]}. Each sublayer is called as `sublayer(x_BTD, *args, **its_kwargs) ->
-    delta_BTD` (or (delta_BTD, output)): `args` reach every sublayer; a keyword argument only the
-    sublayers whose `__call__` takes it by name (or **kwargs; TypeError if none does): an attention
-    mask for attention, `deterministic` for whichever has dropout; `per_layer` (a mapping of
-    keyword arguments whose values have a leading layer axis [n_layers, ...], as nn.scan's in_axes
-    slices them) gives each layer its slice (a decoding cache passed in, returned as an output); a
-    sublayer whose `__call__` names `layer_index` gets its layer's index (an int32 scalar).
+    Layers may differ: a layer has any number of named sublayers (self-attention, cross-attention,
+    MLP), and several layer kinds repeat in a `pattern` (Gemma 3's five local layers and one global):
+    layer l is of kind pattern[l % len(pattern)]; the stack scans one repeat of the pattern as one unit
+    and runs the remaining n_layers % len(pattern) layers after it, on their own (as MaxText scans
+    Gemma 3). Routing reads every sublayer in depth order; the block modes' blocks are `block_layers`
+    whole layers, whatever their sublayers.
 
-    Layers: `sublayers` is a layer's sublayers in depth order (factories, named by `names`; or a
-    mapping name -> factory: any number of sublayers, e.g. self-attention, cross-attention, MLP),
-    or a mapping of layer kinds to such mappings, repeated in `pattern` (a sequence of kinds, by
-    default each kind once in order): layer l is of kind pattern[l % len(pattern)]; the stack scans
-    one repeat of the pattern as one unit and runs the remaining n_layers % len(pattern) layers after
-    it, on their own (as MaxText scans Gemma 3). Routing reads every sublayer in depth order; the
-    block modes' blocks are `block_layers` whole layers, whatever their sublayers.
+    Parameters: `layers`, each leaf stacked [n_layers / len(pattern), ...]: with one kind, sublayer
+    `name` and its router `name_router` (query and gain [n_layers, D]) inside; with a pattern, layer i
+    of each repeat under `layers/i`; the remaining layers under `remainder/i` (no layer axis); unrolled
+    (`scan=False`) `layers_0`, `layers_1`, ...; and `final_router` (query, gain [D], the Kimi modes).
+    `stack_params` moves a per-layer parameter tree into this layout, `layer_params` back. Every other
+    collection (a decoding `cache`, `batch_stats`, values sown with `sow`, `capture_intermediates`)
+    lives in the same layout; rng streams are split per unit (the store-once pass folds the unit's
+    index into each, `jax.random.fold_in(key, u)`, and recomputes a unit in the backward pass with the
+    masks of its forward). Under store-once, values a layer writes carry no gradient. Routing statistics
+    (per sublayer: mean weight per source slot, mean max weight, mean entropy, number of sources) are
+    sown as `variables["routing"]["stats"]` when you apply the stack with `mutable=["routing"]`.
 
-    Parameters: `layers` (each leaf [n_layers / len(pattern), ...]: with one kind, sublayer `name`
-    and its router `name + "_router"`, query and gain [n_layers, D], inside; with a pattern, layer
-    i of each repeat under `layers/i`), `remainder` (the remaining layers, `remainder/i`, no layer
-    axis), and `final_router` (query, gain [D]). `weights.stack_params` moves a per-layer parameter
-    tree into this layout, `weights.layer_params` back. `layer_axis`: the logical axis name of the
-    stacked axis in each parameter's partitioning metadata (None: none added).
+    Attributes:
+        sublayers: a layer's sublayers in depth order: factories of linen Modules (each called as
+            `factory(name=...)`: a Module class, or functools.partial of one), named by `names`; or a
+            mapping name -> factory (any number of sublayers); or a mapping of layer kinds to such
+            mappings, repeated in `pattern`. Each sublayer maps x [B, T, D] (pre-norm included) to its
+            delta [B, T, D], or to (delta, output).
+        n_layers: L.
+        mode: the residual scheme (deltares.nn.MODES).
+        block_layers: layers per block of the block modes (1 in the others).
+        include_partial: block modes, whether a sublayer routes over its block's partial sum.
+        gate: the routers' scalar gate (a converted model's: routing starts at zero, and the stack then
+            computes the unrouted model).
+        null_source: the routers' learned null source.
+        epsilon: the routers' key-norm epsilon.
+        remat: recompute each unit in the backward pass; the routed modes then run the store-once pass
+            unless `store_once=False`.
+        policy: the units' jax.checkpoint policy.
+        store_once: False: plain autodiff of the scan (the reference).
+        scan: False unrolls the layers (parameters `layers_0`, `layers_1`, ...; each sublayer reads only
+            the sources it needs): a program L times longer, compiled L times slower.
+        names: the sublayers' names where `sublayers` is a sequence (default attention, MLP).
+        axis_names: your logical axis names of the stream and the source buffer (deltares.nn.axes:
+            roles `batch`, `length`, `embed`, `sources`).
+        group_layers: where positive, two-phase routing in groups of that many units (block modes:
+            blocks of whole pattern repeats; docs/explanations/store-once.md, the same math); 0: one
+            routing pass per sublayer.
+        scan_segments: the store-once pass in that many segments (the same math).
+        impl: the routers' implementation: "xla", or a fused Pallas kernel ("pallas", "auto").
+        interpret: run a Pallas kernel in interpret mode (CPU tests).
+        dtype: the routed inputs' dtype (default the stream's).
+        param_dtype: the routers' parameters' dtype.
+        query_init: the routers' query initialiser (default zeros: uniform routing at step 0).
+        gain_init: the routers' gain initialiser (default ones).
+        pattern: a sequence of layer kinds (default each kind of `sublayers` once, in order).
+        stream_hook: applied to the stream after every sublayer's delta is added (the stream the next
+            sublayer, its routing and the block partials read; the sublayer's source slot holds what the
+            hook made of its delta): a linen Module class (or functools.partial of one), built once per
+            sublayer of every layer as `<name>_hook`, so that it may draw rngs (stream dropout) and `sow`
+            (stream intermediates, stacked per layer like the parameters); or a function. Called as
+            `hook(h_BTD, **kw) -> h_BTD` with the call's keyword arguments it takes (`deterministic`),
+            and by name `layer_index` and `sublayer` (the sublayer's name).
+        layer_axis: the logical axis name of the stacked axis in each parameter's partitioning
+            metadata (the routers': (`layer_axis`, "embed")); None: none added.
 
-    Everything else Flax threads through a module passes through the layers, scanned or unrolled,
-    store-once or not: rng streams are split per unit (scanned by `nn.scan`; the store-once pass
-    folds the unit index into each stream, `jax.random.fold_in(key, u)`, and recomputes a unit in
-    the backward pass with the masks of its forward); collections other than `params` (a decoding
-    `cache`, `batch_stats`, values sown with `sow`, `capture_intermediates`) live under `layers`
-    (and `remainder`) with a leading unit axis, or under `layers_0`, `layers_1`, ... (`scan=False`),
-    as the parameters do. Under store-once, values a layer writes carry no gradient.
+    Example:
+        ```python
+        import functools
 
-    `stream_hook`: applied to the stream after every sublayer's delta is added (the stream the next
-    sublayer, its routing and the block partials read; the sublayer's source slot holds what the
-    hook made of its delta): a linen Module class (or functools.partial of one), built once per
-    sublayer of every layer as `{name}_hook`, so it may draw rngs (stream dropout) and `sow`
-    (stream intermediates, stacked per layer like the parameters); or a function. Called as
-    `hook(h_BTD, **kw) -> h_BTD` with the stack's keyword arguments it takes (`deterministic`),
-    and by name `layer_index` and `sublayer` (the sublayer's name).
+        import flax.linen as nn
+        import jax
+        from deltares.nn import DepthStack
 
-    `block_layers`: layers per block of the block modes (1 elsewhere). `remat` (default): each
-    unit recomputed in the backward pass (`policy`: a jax.checkpoint policy); with it the routed
-    modes run the store-once pass unless `store_once=False` (plain autodiff of the scan, the
-    reference). `scan=False` unrolls the layers (parameters `layers_0`, `layers_1`, ...; each
-    sublayer reads only the sources it needs): a program L times longer, compiled L times slower.
-    `group_layers` > 0: two-phase routing in groups of that many units (block modes: blocks of whole
-    pattern repeats), and `scan_segments`: the store-once pass in segments
-    (docs/explanations/store-once.md; the same math). Routers: `impl` ("xla", or a fused Pallas
-    kernel), `interpret`, `epsilon` (key-norm epsilon), `dtype` (of the routed input; default the
-    stream's), `param_dtype`, `query_init`, `gain_init`; `gate` and `null_source` (a converted
-    model's: `gate` makes routing start at zero, the stack then computes the unrouted model).
-    `axis_names`: your logical axis names of the stream and the source buffer (deltares.nn.axes:
-    roles `batch`, `length`, `embed`, `sources`); the routers' parameters carry the logical names
-    (`layer_axis`, "embed"). Routing statistics (per sublayer: mean weight per source slot, mean max
-    weight, mean entropy, number of sources) are sown as `variables["routing"]["stats"]` when you
-    apply the stack with `mutable=["routing"]`."""
+
+        class Attention(nn.Module):  # yours: pre-norm, a delta [B, T, D]
+            window: int = 0
+
+            @nn.compact
+            def __call__(self, x_BTD, deterministic: bool = True):
+                T = x_BTD.shape[1]
+                mask = nn.make_causal_mask(x_BTD[..., 0])
+                if self.window:  # a local layer attends to the last `window` tokens
+                    mask = mask * (jax.numpy.arange(T)[:, None] - jax.numpy.arange(T)[None, :] < self.window)
+                y_BTD = nn.MultiHeadDotProductAttention(2, dropout_rate=0.1)(nn.RMSNorm()(x_BTD), mask=mask,
+                                                                             deterministic=deterministic)
+                return y_BTD
+
+
+        class MLP(nn.Module):
+            @nn.compact
+            def __call__(self, x_BTD):
+                return nn.Dense(x_BTD.shape[-1])(nn.gelu(nn.Dense(32)(nn.RMSNorm()(x_BTD))))
+
+
+        local = {"attn": functools.partial(Attention, window=4), "mlp": MLP}
+        stack = DepthStack({"local": local, "global": {"attn": Attention, "mlp": MLP}}, n_layers=8,
+                           mode="delta_block", block_layers=2, pattern=("local", "local", "global"))
+        e_BTD = jax.random.normal(jax.random.key(0), (2, 16, 16))
+        variables = stack.init(jax.random.key(1), e_BTD)
+        out_BTD = stack.apply(variables, e_BTD, deterministic=False, rngs={"dropout": jax.random.key(2)})
+        params = nn.meta.unbox(variables["params"])  # the routers' logical names: ("layers", "embed")
+        print(out_BTD.shape, params["layers"]["2"]["attn_router"]["query"].shape, sorted(params["remainder"]))
+        # (2, 16, 16) (2, 16) ['0', '1']: two repeats of the pattern, the last 2 layers apart
+        ```
+    """
 
     sublayers: Any
     n_layers: int
@@ -690,6 +738,25 @@ class DepthStack(nn.Module):
 
     @nn.compact
     def __call__(self, e_BTD, *args, per_layer=None, **kwargs):
+        """The stack on the embeddings.
+
+        Args:
+            e_BTD: the embeddings [B, T, D].
+            *args: passed to every sublayer after its input (positions, a mask), the same for every layer.
+            per_layer: keyword arguments whose values have a leading layer axis [n_layers, ...] (as
+                nn.scan's `in_axes` slices them): each layer gets its slice (a decoding cache, per-layer
+                embeddings), where its sublayers' `__call__` takes the keyword.
+            **kwargs: keyword arguments each reaching only the sublayers (and stream hooks) whose
+                `__call__` takes them by name, or **kwargs (TypeError where none does): an attention
+                mask, `deterministic`. Arrays are traced; other values (flags) stay Python values.
+
+        A sublayer whose `__call__` names `layer_index` gets its layer's index (an int32 scalar).
+
+        Returns:
+            out [B, T, D], before your final norm; where a sublayer returns (delta, output), (out,
+            outputs): {sublayer name: its outputs stacked on the layer axis [n_layers, ...]} (a returned
+            cache, auxiliary losses: differentiated, the store-once pass included).
+        """
         layers = self.pattern_layers()
         routing = self._routing(layers)
         plan = routing.plan

@@ -6,7 +6,6 @@ stacked ones with the layer axis in front, batch over fsdp). Prints one JSON obj
 the largest parameter difference at the end, the parameters' partition specs and the sharding of a
 stacked kernel as it lies on the mesh."""
 
-import functools
 import json
 import os
 import sys

@@ -788,11 +788,7 @@ class DepthStack(nn.Module):
                     xs = jax.tree.map(lambda a: a[: n_units * k].reshape((n_units, k) + a.shape[1:]), xs_L)
                     xs_tail = jax.tree.map(lambda a: a[n_units * k:], xs_L) if remaining else None
                 if not self.scan:
-                    offsets = np.r_[0, np.cumsum([len(layer) for layer in layers])]
-
-                    def layer_of(index):
-                        unit_index, i = divmod(index, k)
-                        return RoutedLayer, (routing, layers[i]) + common + (i, int(offsets[i])), unit_index
+                    layer_of = functools.partial(_unrolled_layer, routing, layers, common)
             queries_fn = None
             if grouped:
                 queries_fn = self._queries
@@ -842,6 +838,13 @@ class DepthStack(nn.Module):
             tails = [_named(layer, tail_sub[offsets[i]: offsets[i + 1]])
                      for i, layer in enumerate(layers[: self.n_layers - plan.n_units * k])]
         return stats_J, layer_outputs(positions, tails, plan.n_units)
+
+
+def _unrolled_layer(routing: DepthRouting, layers: tuple, common: tuple, index: int):
+    """Layer `index` of an unrolled stack of a pattern: (RoutedLayer, its fields, its unit's index)."""
+    unit, i = divmod(index, len(layers))
+    offset = sum(len(layer) for layer in layers[:i])
+    return RoutedLayer, (routing, layers[i]) + common + (i, offset), unit
 
 
 def _named(layer, outputs) -> dict:

@@ -671,3 +671,52 @@ def test_bad_layer_kinds_patterns_hooks_and_per_layer_values_are_one_clear_error
         kw = {"n_layers": 5, "d_model": D, "mode": "delta", "rngs": nnx.Rngs(0), **kw}
         with pytest.raises(ValueError, match=words):
             NNXDepthStack(**kw)
+
+
+class ScaledMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x_BTD, scale_D, shift):
+        delta_BTD = mlp({"up": _w(self, "up", (D, F)), "down": _w(self, "down", (F, D))}, x_BTD, 0)[0]
+        return jnp.roll(delta_BTD * scale_D, shift, axis=-1)
+
+
+class NNXScaledMLP(NNXMLP):
+    def __call__(self, x_BTD, scale_D, shift):
+        return jnp.roll(mlp({"up": self.up[...], "down": self.down[...]}, x_BTD, 0)[0] * scale_D, shift, axis=-1)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_per_layer_inputs_are_differentiated_under_store_once(framework):
+    """A floating per-layer input (`per_layer`, here each layer's scale of its MLP, as per-layer embeddings
+    would be) gets its gradient through the store-once pass as through plain autodiff, an integer one
+    (each layer's shift of its MLP's output, as a decoder's cache positions would be) read as it is."""
+    n_layers = 5  # a pattern of two: two repeats and a remainder
+    scale_LD = 1 + 0.5 * jax.random.normal(jax.random.key(4), (n_layers, D))
+    shift_L = jnp.arange(n_layers, dtype=jnp.int32)
+    per_layer = {"scale_D": scale_LD, "shift": shift_L}
+
+    def run(store_once):
+        if framework == "linen":
+            kinds = {"a": {"attn": Attn, "mlp": ScaledMLP}, "b": {"attn": functools.partial(Attn, 2), "mlp": ScaledMLP}}
+            stack = DepthStack(kinds, n_layers, "delta_block", block_layers=2, store_once=store_once)
+            params = _random_routers(nn.meta.unbox(stack.init(jax.random.key(0), E_BTD, per_layer=per_layer)["params"]))
+
+            def loss(scale_LD):
+                out_BTD = stack.apply({"params": params}, E_BTD, per_layer={"scale_D": scale_LD, "shift": shift_L})
+                return jnp.sum(jnp.sin(out_BTD) * jnp.arange(D))
+            return jax.jit(jax.value_and_grad(loss))(scale_LD)
+        kinds = {"a": lambda rngs: {"attn": NNXAttn(rngs), "mlp": NNXScaledMLP(rngs)},
+                 "b": lambda rngs: {"attn": NNXAttn(rngs, 2), "mlp": NNXScaledMLP(rngs)}}
+        stack = NNXDepthStack(kinds, n_layers, D, "delta_block", block_layers=2, store_once=store_once,
+                              rngs=nnx.Rngs(0))
+        state = nnx.state(stack, nnx.Param)
+        nnx.replace_by_pure_dict(state, _random_routers(nnx.to_pure_dict(state)))
+        nnx.update(stack, state)
+        def nnx_loss(scale_LD):
+            return jnp.sum(jnp.sin(stack(E_BTD, per_layer={"scale_D": scale_LD, "shift": shift_L})) * jnp.arange(D))
+        return nnx.jit(nnx.value_and_grad(nnx_loss))(scale_LD)
+
+    (want, want_grad), (got, got_grad) = run(False), run(True)
+    np.testing.assert_allclose(got, want, atol=64 * 10 * EPS * max(1.0, abs(float(want))), rtol=0)
+    _close(got_grad, want_grad, 10)
+    assert float(jnp.abs(want_grad).max(axis=1).min()) > 1e-3  # every layer's input matters

@@ -212,7 +212,7 @@ class StackUnit(nnx.Module):
 
     def run(self, routing_, state, unit, args, kwargs, xs, call_rngs, only=None, prefix=None, stats=False,
             hook_function=None):
-        from deltares.nn.stack import _slice_prefix, unit_outs  # noqa: PLC0415
+        from deltares.nn.stack import slice_prefix, unit_outs  # noqa: PLC0415
 
         layers = [getattr(self, str(i)) for i in range(self.n)]
         sizes = [len(layer.names) for layer in layers]
@@ -227,10 +227,10 @@ class StackUnit(nnx.Module):
 
         if only is not None:
             i = int(np.searchsorted(offsets, only, side="right")) - 1
-            return call(i, state, only=only - int(offsets[i]), prefix=_slice_prefix(prefix, offsets[i], offsets[i + 1]))
+            return call(i, state, only=only - int(offsets[i]), prefix=slice_prefix(prefix, offsets[i], offsets[i + 1]))
         outs = []
         for i in range(self.n):
-            state, out = call(i, state, prefix=_slice_prefix(prefix, offsets[i], offsets[i + 1]))
+            state, out = call(i, state, prefix=slice_prefix(prefix, offsets[i], offsets[i + 1]))
             outs.append(out)
         return state, unit_outs(outs, sizes)
 
@@ -469,7 +469,7 @@ class DepthStack(nnx.Module):
             outputs): {sublayer name: its outputs stacked on the layer axis [n_layers, ...]}.
         """
         from deltares.nn.routed import sublayer_stats  # noqa: PLC0415 - routed imports this module's router
-        from deltares.nn.stack import check_per_layer, layer_outputs  # noqa: PLC0415
+        from deltares.nn.stack import join_inexact, split_inexact, check_per_layer, layer_outputs  # noqa: PLC0415
 
         if jnp.ndim(e_BTD) != 3:
             raise ValueError(f"the stack's input is [B, T, D], got shape {jnp.shape(e_BTD)}")
@@ -491,14 +491,21 @@ class DepthStack(nnx.Module):
         unit_keys = {kw: {s: jax.vmap(lambda u, key=key: jax.random.fold_in(key, u))(jnp.arange(n_units + 1))
                           for s, key in streams.items()} for kw, streams in call_rngs.items()}
 
+        # per-layer inputs: the floating ones differentiated with the parameters, the others read as they are
+        diff_U, const_U, tree_U = split_inexact(xs_U)
+        diff_T, const_T, tree_T = split_inexact(xs_T)
+
         def layer_fn(params_u, state, unit, only=None, prefix=None, consts=None):
-            rest_L_, rest_T, keys_U, xs_U_, xs_T_ = ((rest_L, tail_rest, unit_keys, xs_U, xs_T) if consts is None
-                                                    else consts)
+            rest_L_, rest_T, keys_U, const_U_, const_T_ = ((rest_L, tail_rest, unit_keys, const_U, const_T)
+                                                           if consts is None else consts)
+            params_u, diff_u = params_u
             is_tail = isinstance(unit, int) and unit == n_units
             if is_tail:  # rebuilt: the module's sown values must not grow the caller's containers
-                module, xs_u = nnx.merge(tail_def, params_u, jax.tree.map(lambda a: a, rest_T)), xs_T_
+                module = nnx.merge(tail_def, params_u, jax.tree.map(lambda a: a, rest_T))
+                xs_u = join_inexact(diff_u, const_T_, tree_T)
             else:
-                module, xs_u = nnx.merge(graphdef, params_u, _index(rest_L_, unit)), _index(xs_U_, unit)
+                module = nnx.merge(graphdef, params_u, _index(rest_L_, unit))
+                xs_u = join_inexact(diff_u, _index(const_U_, unit), tree_U)
             keys_u = {kw: {s: key[unit] for s, key in streams.items()} for kw, streams in keys_U.items()}
             out = module.run(routing_, state, unit, args, kwargs, xs_u, keys_u, only=only, prefix=prefix, stats=stats,
                              hook_function=hook_function)
@@ -511,32 +518,34 @@ class DepthStack(nnx.Module):
             return state, (unit_out, written)
 
         grouped = self.group_layers > 0 and routing_.uses_routers and not stats
-        consts = (rest_L, tail_rest, unit_keys, xs_U, xs_T)
+        consts = (rest_L, tail_rest, unit_keys, const_U, const_T)
+        params_U, params_T = (params_L, diff_U), (tail_params, diff_T)
         with routing_.names():
             depth = routing_.start(e_BTD)
             tail_out = None
             if not self.scan:
                 outs = []
                 for unit in range(n_units):
-                    depth, out = layer_fn(_index(params_L, unit), depth, unit)
+                    depth, out = layer_fn(_index(params_U, unit), depth, unit)
                     outs.append(out)
                 units_out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
                 if tail is not None:
-                    depth, tail_out = layer_fn(tail_params, depth, n_units)
+                    depth, tail_out = layer_fn(params_T, depth, n_units)
             elif self.remat and self.store_once and routing_.uses_routers:
-                depth, units_out = depth_scan(layer_fn, params_L, depth, plan, eps=routing_.epsilon, consts=consts,
-                                              queries_fn=self._queries if grouped else None, impl=self.impl,
-                                              interpret=self.interpret, tail_params=tail_params)
+                queries_fn = (lambda p: self._queries(p[0])) if grouped else None
+                depth, units_out = depth_scan(layer_fn, params_U, depth, plan, eps=routing_.epsilon, consts=consts,
+                                              queries_fn=queries_fn, impl=self.impl, interpret=self.interpret,
+                                              tail_params=params_T if tail is not None else None)
                 if tail is not None:
                     units_out, tail_out = units_out
             else:
                 step = jax.checkpoint(layer_fn, policy=self.policy) if self.remat else layer_fn
                 depth, units_out = jax.lax.scan(lambda d, xs: step(xs[0], d, xs[1]), depth,
-                                                (params_L, jnp.arange(n_units)))
+                                                (params_U, jnp.arange(n_units)))
                 if tail is not None:
                     tail_step = jax.checkpoint(layer_fn, policy=self.policy, static_argnums=(2,)) if self.remat else \
                         layer_fn
-                    depth, tail_out = tail_step(tail_params, depth, n_units)
+                    depth, tail_out = tail_step(params_T, depth, n_units)
             units_out, written_L = _split_written(units_out)
             nnx.update(self.layers, written_L)
             if tail is not None:

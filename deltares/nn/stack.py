@@ -257,7 +257,7 @@ def _hook_fn(hook, name: str, index, kwargs: dict):
     return lambda h_BTD: hook(h_BTD, **kw)
 
 
-def _slice_prefix(prefix, start: int, stop: int):
+def slice_prefix(prefix, start: int, stop: int):
     """Sublayers [start, stop) of a unit's `Prefix` (leading axis: the unit's sublayers)."""
     if prefix is None:
         return None
@@ -312,11 +312,11 @@ class RoutedUnit(nn.Module):
         if only is not None:  # one sublayer of the unit
             i = int(np.searchsorted(offsets, only, side="right")) - 1
             return children[i](state, unit, xs_of(i), kwargs, *args, only=only - int(offsets[i]),
-                               prefix=_slice_prefix(prefix, offsets[i], offsets[i + 1]))
+                               prefix=slice_prefix(prefix, offsets[i], offsets[i + 1]))
         outs = []
         for i, child in enumerate(children):
             state, out = child(state, unit, xs_of(i), kwargs, *args,
-                               prefix=_slice_prefix(prefix, offsets[i], offsets[i + 1]))
+                               prefix=slice_prefix(prefix, offsets[i], offsets[i + 1]))
             outs.append(out)
         return state, unit_outs(outs, sizes)
 
@@ -424,7 +424,7 @@ def _capturing():
     return layers_only
 
 
-def _split_inexact(tree):
+def split_inexact(tree):
     """A pytree's leaves as (the floating ones, None elsewhere; the others, None elsewhere), lists."""
     leaves = jax.tree.leaves(tree)
     inexact = [jnp.issubdtype(jnp.result_type(a), jnp.inexact) for a in leaves]
@@ -432,7 +432,7 @@ def _split_inexact(tree):
             jax.tree.structure(tree))
 
 
-def _join(diff, const, treedef):
+def join_inexact(diff, const, treedef):
     return jax.tree.unflatten(treedef, [d if d is not None else c for d, c in zip(diff, const)])
 
 
@@ -462,8 +462,8 @@ def _store_once(parent: nn.Module, layer: nn.Module, routing: DepthRouting, stat
     has_xs = xs is not None or tail_xs is not None
     threads = bool(others_L or others_T or keys or capture or _mutable_beyond_params(parent) or tail is not None
                    or has_xs)
-    xs_diff, xs_const, xs_tree = _split_inexact(xs)
-    tail_diff, tail_const, tail_tree = _split_inexact(tail_xs)
+    xs_diff, xs_const, xs_tree = split_inexact(xs)
+    tail_diff, tail_const, tail_tree = split_inexact(tail_xs)
     n_units = routing.plan.n_units
 
     def layer_fn(params_u, state, index, only=None, prefix=None, consts=None):
@@ -473,10 +473,10 @@ def _store_once(parent: nn.Module, layer: nn.Module, routing: DepthRouting, stat
         params_u, diff_u = params_u
         others_L, others_T, keys, const_L, const_T = consts
         if is_tail:
-            module, others_u, xs_u = tail, others_T, _join(diff_u, const_T, tail_tree)
+            module, others_u, xs_u = tail, others_T, join_inexact(diff_u, const_T, tail_tree)
         else:
             module, others_u = layer, jax.tree.map(lambda a: a[index], others_L)
-            xs_u = _join(diff_u, jax.tree.map(lambda a: a[index], const_L), xs_tree)
+            xs_u = join_inexact(diff_u, jax.tree.map(lambda a: a[index], const_L), xs_tree)
         variables_u = {"params": params_u, **others_u}
         rngs = {name: jax.random.fold_in(key, index) for name, key in keys.items()}
         out = module.apply(variables_u, state, index, xs_u, *args, only=only, prefix=prefix, rngs=rngs,

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deltares.nn.nnx import DepthStack  # noqa: E402
 
-V, D, H, F, L = 32, 16, 4, 32, 5  # vocabulary, width, heads (of width D / H), MLP width, layers
+V, D, H, F, L = 32, 16, 4, 32, 4  # vocabulary, width, heads (of width D / H), MLP width, layers
 RULES = (("batch", "fsdp"), ("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
          ("layers", None), ("length", None), ("act_embed", None), ("sources", None))
 STEPS = 3
@@ -136,7 +136,7 @@ def main():
         up_sharding=str(up[...].sharding.spec), up_shape=list(up[...].shape),
         remainder_up_spec=str(stack_specs["remainder"]["0"]["mlp"]["up"].get_value()),
         router_spec=str(stack_specs["layers"]["2"]["attn_router"]["query"].get_value()),
-        remainder_router_spec=str(stack_specs["remainder"]["1"]["mlp_router"]["query"].get_value()),
+        remainder_router_spec=str(stack_specs["remainder"]["0"]["mlp_router"]["query"].get_value()),
     )))
 
 

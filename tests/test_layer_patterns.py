@@ -312,7 +312,7 @@ def _linen_call(stack, scenario, p, key):
 
 
 @pytest.mark.parametrize("name, variants", [
-    ("local_global", ({}, dict(store_once=False), dict(scan=False))),
+    ("local_global", ({}, dict(scan=False))),  # plain autodiff of the scan: test_per_layer_inputs_...
     ("decoder", ({}, dict(group_layers=2), dict(scan=False))),
 ])
 def test_linen_pattern_equals_the_loop(name, variants):
@@ -370,7 +370,7 @@ def _nnx_stack(name, params=None, **kw):
 
 @pytest.mark.parametrize("name, variants", [
     ("local_global_aligned", ({}, dict(group_layers=1), dict(scan=False))),
-    ("decoder_kimi", ({}, dict(store_once=False), dict(scan=False))),
+    ("decoder_kimi", ({}, dict(scan=False))),
 ])
 def test_nnx_pattern_equals_the_loop(name, variants):
     """With an `nnx.Rngs` passed at call time (split per layer and sublayer), values sown through
@@ -542,12 +542,12 @@ def test_weights_moved_in_give_the_unrouted_model_at_zero_init(framework):
     routers from the stack's own init: zero queries and, with `gate`, zero gates): the stack computes the
     loop's function. (Zero queries alone route uniformly, and in the Delta modes the sources sum to the
     stream, so pre-normed sublayers would see the same input either way: the check that it can fail
-    redraws the queries, which the zero gates still keep out.)"""
+    redraws the queries, without gates.)"""
     scenario, n_layers = "local_global", 5
     loop_layers = _loop_weights(scenario, n_layers)
     want_BTD = _loop_model(scenario, loop_layers, n_layers)
     sublayers, pattern = (LINEN_KINDS if framework == "linen" else NNX_KINDS)[scenario]
-    for gate, queries in ((True, "init"), (True, "random"), (False, "random")):
+    for gate, queries in ((True, "init"), (False, "random")):
         if framework == "linen":
             stack = DepthStack(sublayers, n_layers, "delta_block", block_layers=2, pattern=pattern, gate=gate)
             like = nn.meta.unbox(stack.init(jax.random.key(0), E_BTD)["params"])

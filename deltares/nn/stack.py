@@ -666,14 +666,14 @@ class DepthStack(nn.Module):
 
 
         local = {"attn": functools.partial(Attention, window=4), "mlp": MLP}
-        stack = DepthStack({"local": local, "global": {"attn": Attention, "mlp": MLP}}, n_layers=8,
+        stack = DepthStack({"local": local, "global": {"attn": Attention, "mlp": MLP}}, n_layers=5,
                            mode="delta_block", block_layers=2, pattern=("local", "local", "global"))
         e_BTD = jax.random.normal(jax.random.key(0), (2, 16, 16))
         variables = stack.init(jax.random.key(1), e_BTD)
         out_BTD = stack.apply(variables, e_BTD, deterministic=False, rngs={"dropout": jax.random.key(2)})
         params = nn.meta.unbox(variables["params"])  # the routers' logical names: ("layers", "embed")
         print(out_BTD.shape, params["layers"]["2"]["attn_router"]["query"].shape, sorted(params["remainder"]))
-        # (2, 16, 16) (2, 16) ['0', '1']: two repeats of the pattern, the last 2 layers apart
+        # (2, 16, 16) (1, 16) ['0', '1']: one repeat of the pattern, the last 2 layers apart
         ```
     """
 

@@ -199,9 +199,25 @@ def describe(fields, prefix: str) -> str:
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
-    """A `config.model` with Qwen3 defaults (MODEL_FIELDS); `overrides` set any field
-    (`residual=dict(...)` its residual fields). Unless given, the block size is at most the depth,
-    so that a small model (`model_config(n_layers=2)`) is valid as it stands."""
+    """A `config.model` for `Transformer` with Qwen3 defaults (MODEL_FIELDS; the config reference
+    lists every field). Unless given, the block size is at most the depth, so that a small model
+    (`model_config(n_layers=2)`) is valid as it stands.
+
+    Args:
+        **overrides: any field (`d_model=64`), and `residual=dict(...)` the residual scheme's fields
+            (`mode`, `block_layers`, `gate`, ...).
+
+    Returns:
+        An `ml_collections.ConfigDict`.
+
+    Example:
+        ```python
+        from deltares.nn import model_config
+
+        cfg = model_config(n_layers=4, d_model=128, residual=dict(mode="delta", group_layers=2))
+        print(cfg.n_layers, cfg.residual.mode, cfg.residual.block_layers)  # 4 delta 4
+        ```
+    """
     cfg = build_config(MODEL_FIELDS, overrides)
     if "block_layers" not in (overrides.get("residual") or {}):
         cfg.residual.block_layers = min(cfg.residual.block_layers, cfg.n_layers)

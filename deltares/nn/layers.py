@@ -178,18 +178,43 @@ class MLP(nn.Module):
 
 
 class DepthRouter(nn.Module):
-    """One sublayer's routing parameters: pseudo-query w (zeros) and key-norm gain g (ones).
+    """One sublayer's routing parameters: pseudo-query w (zeros) and key-norm gain g (ones), each [D].
 
-    Called on a source buffer with its cached 1/rms and validity mask; returns
-    `(route, weights)`, or `(residual + route, weights)` for additive routing.
-    For converting pretrained checkpoints (docs/explanations/modes.md): `gate` adds a scalar
-    gate (zeros) on the routed term, `residual + gate * route`, so a converted model
-    computes exactly the pretrained function at step 0; `null_source` adds the paper's
-    learned null source (zeros) to every routing. `epsilon` is the key norm's (config.model.norm_eps,
-    the one the cached 1/rms was computed with); it also normalises the null source and, in
-    the kernel, every source. `dtype`, `param_dtype`, `query_init`, `gain_init`: as in flax's
-    layers (the defaults are the paper's: a zero query routes uniformly at step 0). Logits and
-    softmax are float32; the output has `dtype`, by default the sources' dtype.
+    Routes a source buffer: softmax over the sources of w . RMSNorm_g(s), the weighted sum of the
+    sources; with a residual (the Delta modes) residual + that sum. The parameters take the width D
+    of the sources at `init`. For converting pretrained checkpoints (docs/explanations/modes.md):
+    `gate` adds a scalar gate [1] (zeros) on the routed term, `residual + gate * route`, so a converted
+    model computes exactly the pretrained function at step 0; `null_source` adds the paper's learned
+    null source [D] (zeros) to every routing. Logits and softmax are float32. Parameters carry the
+    logical axis names ("embed",) (the gate ("norm",)).
+
+    Attributes:
+        gate: add the scalar gate (additive routing only).
+        null_source: add the learned null source.
+        impl: "xla", or a fused Pallas kernel ("pallas": the best for the backend; "auto"), which
+            returns no weights.
+        interpret: run the kernel in Pallas interpret mode (CPU tests).
+        epsilon: the key norm's epsilon: the one the cached 1/rms of the sources was computed with
+            (config.model.norm_eps); it also normalises the null source and, in the kernel, every source.
+        dtype: the output's dtype (default the sources').
+        param_dtype: the parameters' dtype.
+        query_init: the query's initialiser (default zeros: uniform routing at step 0, the paper's).
+        gain_init: the gain's initialiser (default ones).
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from deltares.nn import DepthRouter
+        from deltares.nn.routing import inv_rms
+
+        sources_SBTD = jax.random.normal(jax.random.key(0), (3, 2, 4, 8))  # S = 3 sources of [B, T, D]
+        valid_S = jnp.array([True, True, False])                             # the last is not written yet
+        router = DepthRouter()
+        variables = router.init(jax.random.key(1), sources_SBTD, inv_rms(sources_SBTD), valid_S)
+        out_BTD, weights_SBT = router.apply(variables, sources_SBTD, inv_rms(sources_SBTD), valid_S)
+        print(out_BTD.shape, weights_SBT[:, 0, 0])  # (2, 4, 8) [0.5 0.5 0. ]
+        ```
     """
 
     gate: bool = False
@@ -204,6 +229,21 @@ class DepthRouter(nn.Module):
 
     @nn.compact
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
+        """Routes the sources; returns (out_BTD, weights_SBT or None).
+
+        Args:
+            sources_SBTD: the sources [S, B, T, D] (or a sequence of S arrays [B, T, D]).
+            inv_rms_SBT: each source's 1/rms [S, B, T] (float32, `routing.inv_rms` with `epsilon`).
+            valid: [S] bool, or broadcastable to [S, B, T]: the sources routed over (at least one).
+            residual_BTD: the stream [B, T, D]: with it, out = residual + route (the Delta modes;
+                with `gate`, residual + gate * route), else out = route (the Kimi modes).
+            prefix: two-phase routing's (out [B, T, D], lse [B, T]) over earlier sources, merged
+                as one more source (deltares.nn.routing.route_normalized).
+
+        Returns:
+            out [B, T, D] in `dtype` (default the sources'); the weights [S, B, T] (float32), None
+            from a fused kernel.
+        """
         if self.gate and residual_BTD is None:
             raise ValueError("a routing gate needs additive routing (a residual)")
         D = sources_SBTD[0].shape[-1]  # an array [S, B, T, D] or S arrays [B, T, D]

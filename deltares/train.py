@@ -709,11 +709,13 @@ def cli() -> None:
     _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard events.")
     _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config and build one abstract train step; no run.")
     _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "List every config field (type, default, allowed values, help).")
-    _STOPPED_EXIT_CODE = flags.DEFINE_integer(
-        "stopped_exit_code", 0, "Exit status after a signal stopped the run before its last step and it saved that step "
-        "(a finished run exits 0): launch/slurm.sh's job passes 75 and requeues itself when it sees it.",
-        lower_bound=0, upper_bound=255)
     from deltares import command_line
+    from deltares.common.domains import Domain, define_number
+
+    _STOPPED_EXIT_CODE = define_number(
+        flags.DEFINE_integer, "stopped_exit_code", 0, "Exit status after a signal stopped the run before its last "
+        "step and it saved that step (a finished run exits 0): launch/slurm.sh's job passes 75 and requeues itself "
+        "when it sees it", Domain(0, 255))
 
     command_line.run(main, config_fields=field_names)
 

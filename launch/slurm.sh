@@ -162,7 +162,7 @@ options+=("${SBATCH[@]}")
 # shellcheck disable=SC2016 # expanded in the job
 if ((REQUEUE)); then
   resume='echo "deltares: the trainers stopped (exit $rc); requeueing the job, which resumes from the last checkpoint"
-  scontrol requeue "$SLURM_JOB_ID" && exit 0'
+    scontrol requeue "$SLURM_JOB_ID" && exit 0'
 else
   resume='echo "deltares: the trainers stopped (exit $rc); submit this job again to resume from the last checkpoint"'
 fi
@@ -193,7 +193,11 @@ done
 if ((rc == 0)); then
   echo "deltares: the run is finished"
 elif ((rc == $STOPPED || rc == 143)) && ((limit || !slurm)); then
-  $resume
+  # SLURM's own TERM (scancel, its requeue) may reach this script after the trainers' exit: ask its state
+  state=\$(scontrol show job -o "\$SLURM_JOB_ID" 2>/dev/null | grep -o 'JobState=[A-Z_]*')
+  if [[ -z \$state || \$state == JobState=RUNNING ]]; then
+    $resume
+  fi
 fi
 exit \$rc
 EOF

@@ -102,6 +102,7 @@ def config(folder: str, nodes: int, grace: int, requeue_delay: int, kill_wait: i
         "PreemptMode=REQUEUE",
         f"KillWait={kill_wait}",
         "ReturnToService=2",
+        "MinJobAge=3600",  # an ended job stays in `scontrol show job` for an hour (SLURM's default: 300 s)
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
         *(f"NodeName=n{i + 1} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory={memory}"

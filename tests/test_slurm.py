@@ -28,6 +28,7 @@ makes a machine that cannot start SLURM a failure.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.skipif(REASON is not None and os.environ.get("DELTARES_
 SLURM = os.path.join(ROOT, "launch", "slurm.sh")
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 SAVE_BEFORE, TIME = 300, 10  # --time in minutes; `scontrol update TimeLimit=5` makes the signal due at once
-DEADLINE = 480  # seconds for the whole scenario
+DEADLINE = 600  # seconds for the whole scenario
 MIN_NEW_STEPS = 2  # steps an attempt trains past its resume step before the test stops it
 LOSS_ATOL = 1e-5  # two processes (gloo's sums) against one; one process against one: equal
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
@@ -144,7 +145,9 @@ class Job:
         for restart in range(self.restarts() + 1):
             out.append([])
             for p in range(self.processes):
-                with open(os.path.join(self.out, f"rec-{p}-{restart}.json")) as f:
+                path = os.path.join(self.out, f"rec-{p}-{restart}.json")
+                assert os.path.exists(path), f"process {p} of restart {restart} left no record:\n{self.log()[-6000:]}"
+                with open(path) as f:
                     out[-1].append(json.load(f))
         return out
 
@@ -190,8 +193,33 @@ def node_failure(cluster, job):
 
 
 def node_back(cluster, job):
+    """n3 comes back once the stopped attempt's trainers are gone: they end by themselves after their save
+    (n3's too: here the failed node is this machine, so its trainer lives on); one still there after a minute
+    is killed, as the node's reboot would. A stale trainer must not reach the next attempt's coordinator."""
+    deadline = time.monotonic() + 60
+    while job_processes(job.id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in job_processes(job.id):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if "down" in cluster.run("sinfo", "-h", "-n", "n3", "-o", "%t"):
         cluster.run("scontrol", "update", "NodeName=n3", "State=RESUME")
+
+
+def job_processes(job_id: str) -> list[int]:
+    """The processes of job `job_id`'s tasks (SLURM_JOB_ID in their environment), on any node."""
+    want = f"SLURM_JOB_ID={job_id}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +298,10 @@ def scenario(cluster, builtin_dataset, reference, tmp_path_factory):
 
 def check_stops_and_resumes(job) -> list[int]:
     """Each stopped attempt saved one step (the same on every process) that the next resumed from; returns them."""
-    attempts, records = job.attempts(), job.records()
-    assert len(attempts) == len(records) == len(job.fired) + 1, job.log()
+    attempts = job.attempts()
+    assert len(attempts) == len(job.fired) + 1, job.log()[-6000:]
+    records = job.records()
+    assert len(records) == len(attempts), job.log()[-6000:]
     stops = []
     for k, (attempt, procs) in enumerate(zip(attempts, records)):
         assert [p["process"] for p in procs] == [[i, job.processes] for i in range(job.processes)]
@@ -297,7 +327,8 @@ def test_a_finished_run_ends_the_job_and_is_not_requeued(scenario):
     for name in ("single", "cluster"):
         job = scenario["jobs"][name]
         state = job.state()
-        assert (state["JobState"], state["ExitCode"], job.restarts(state)) == ("COMPLETED", "0:0", len(job.fired))
+        assert (state["JobState"], state["ExitCode"], job.restarts(state)) == ("COMPLETED", "0:0", len(job.fired)), \
+            job.log()[-6000:]
         assert job.attempts()[-1].rstrip().endswith("deltares: the run is finished")
         assert job.log().count("the run is finished") == 1
 
@@ -382,5 +413,6 @@ def test_how_a_job_ends_by_the_trainers_exit_and_slurms_signals(scenario, name, 
         assert "deltares: the trainers stopped" not in log, log
     else:
         assert line in log, log
-    if job.events:
-        assert "probe: SIGTERM" in job.attempts()[0] and "requeueing" not in log
+    if job.events:  # the stand-in got SIGTERM: it said so, or its exit status 75 (its answer to SIGTERM) did
+        first = job.attempts()[0]
+        assert "probe: SIGTERM" in first or "the trainers stopped (exit 75)" in first, first

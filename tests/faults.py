@@ -461,8 +461,9 @@ def between_saves(proc, workdir, action, timeout=240):
 
 
 def run_directory(bench):
-    """The run directory moved, deleted or its lock removed while a trainer writes it; a run resumed with
-    another learning rate; `compare` of a run being written."""
+    """The run directory moved, deleted or its lock removed while a trainer writes it, replaced by another
+    run or a link on its path repointed during a save (`taken_away`); a run resumed with another learning
+    rate; `compare` of a run being written."""
     rows = []
     for name, act in (("run directory moved during the run", lambda w: os.rename(w, w + "_moved")),
                       ("run directory deleted during the run", shutil.rmtree),
@@ -481,6 +482,7 @@ def run_directory(bench):
         else:
             recovered = recovered_like_reference(bench, workdir)
         rows.append(row(name, first, recovered, traceback="Traceback" in err))
+    rows += taken_away(bench)
     workdir = bench.finished_copy("other_lr")
     proc = bench.train(workdir, "--config.optim.lr=1e-3", "--config.train.steps=32")
     rows.append(row("resume with another learning rate", proc,
@@ -494,6 +496,64 @@ def run_directory(bench):
     marked = "(running)" in found[0].stdout
     rows.append(row("compare of a run being written", found[0], "n/a" if marked else "NO (not marked)"))
     return rows
+
+# issue 48: nothing written through a path that no longer leads to the run
+
+
+def in_a_save(proc, workdir, action, timeout=240) -> bool:
+    """Runs `action()` with the trainer `proc` paused while a checkpoint is being written (a temporary step
+    folder in checkpoints/); False, without acting, if no such moment came."""
+    deadline = time.monotonic() + timeout
+    folder = os.path.join(workdir, "checkpoints")
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        saving = os.path.isdir(folder) and any("tmp" in n for n in os.listdir(folder))
+        if saving:
+            action()
+        proc.send_signal(signal.SIGCONT)
+        if saving:
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def taken_away(bench):
+    """The run directory moved away and another run moved into its path, or a link on its path repointed to
+    another run, each while a save is being written: the trainer writes on where the run is and stops; the
+    other run must stay byte for byte (files and folders), and the rerun where the run went recovers."""
+    rows = []
+    for name in ("run directory replaced by another run during a save", "link on the run directory's path "
+                 "repointed during a save"):
+        root = bench.dir(slug(name))
+        os.makedirs(os.path.join(root, "A"))
+        os.symlink(os.path.join(root, "A"), os.path.join(root, "link"))
+        linked = "link" in name
+        workdir = os.path.join(root, "link", "run") if linked else os.path.join(root, "run")
+        other = os.path.join(root, "B" if linked else "other", "run")
+        shutil.copytree(bench.reference, other)
+        before = tf.tree(other)
+        where = os.path.join(root, "A", "run") if linked else os.path.join(root, "moved")
+
+        def act():
+            if linked:
+                os.symlink(os.path.join(root, "B"), os.path.join(root, "link.new"))
+                os.replace(os.path.join(root, "link.new"), os.path.join(root, "link"))
+            else:
+                os.rename(workdir, where)
+                os.rename(other, workdir)
+
+        proc = subprocess.Popen(bench.cmd(workdir, "--config.train.checkpoint_every=1"), cwd=ROOT, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        acted = in_a_save(proc, workdir, act)
+        out, err = proc.communicate(timeout=300)
+        first = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        rerun = bench.train(where)
+        recovered = recovered_like_reference(bench, where) if rerun.returncode == 0 else "NO"
+        changed = tf.tree(workdir) != before
+        rows.append(row(name if acted else f"{name} (NOT DONE: no save caught)", first, recovered,
+                        "YES (the other run changed)" if changed else "no", traceback="Traceback" in err))
+    return rows
+
 
 FAULTS = {
     "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),

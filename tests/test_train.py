@@ -481,10 +481,11 @@ def test_run_on_a_bucket_resumes_and_matches_local_run(reference, fake_bucket, t
 
     handed = []
 
-    def checkpointer(workdir, *args):
+    def checkpointer(workdir, *args, through=None):
         # orbax writes buckets with tensorstore's own GCS driver, which no fake reaches: the
         # checkpoints of this test go to the bucket's local directory instead.
         handed.append(workdir)
+        assert through == workdir  # a bucket is not held open: written by name
         return Checkpointer(workdir.replace("gs://", fake_bucket.root + "/"), *args)
 
     monkeypatch.setattr(train_module, "Checkpointer", checkpointer)

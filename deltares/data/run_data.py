@@ -40,14 +40,15 @@ def run_dataset_path(config, workdir: str) -> str:
     return builtin_dataset_dir(workdir, run_tokenizer(config)) if path == BUILTIN else path
 
 
-def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print) -> DataSource:
+def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print, through: str | None = None) -> DataSource:
     """The run's data source, chosen here and nowhere else: its mixture of prepared datasets, or its
-    prepared dataset (see run_dataset_path; the built-in corpus prepared on first use); its
-    vocabulary must fit `config.model.vocab_size`."""
+    prepared dataset (see run_dataset_path; the built-in corpus prepared on first use, written through
+    `through`: see deltares.training.workdir.WorkdirLock.through); its vocabulary must fit
+    `config.model.vocab_size`."""
     if config["data"].get("mixture"):
         source = Mixture(config["data"]["mixture"])
     else:
-        source = TokenData(_prepared_dataset(config, workdir, log))
+        source = TokenData(_prepared_dataset(config, workdir, log, through))
     if source.vocab_size > config["model"]["vocab_size"]:
         raise DataError(
             f"the tokenizer of {source.path} has {source.vocab_size} tokens, more than config.model.vocab_size="
@@ -57,13 +58,14 @@ def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print) -
     return source
 
 
-def _prepared_dataset(config, workdir: str, log: Callable[[str], None]) -> str:
-    """The run's prepared dataset (run_dataset_path), the built-in corpus prepared there on first use."""
+def _prepared_dataset(config, workdir: str, log: Callable[[str], None], through: str | None = None) -> str:
+    """The run's prepared dataset (run_dataset_path), the built-in corpus prepared there on first use
+    (written through `through`, a path to the same run directory)."""
     path = run_dataset_path(config, workdir)
     if config["data"]["dataset"] == BUILTIN and not os.path.exists(os.path.join(path, "meta.json")):
         tokenizer = run_tokenizer(config)
         log(f"preparing the built-in corpus with tokenizer {tokenizer} into {path}")
-        prepare(BUILTIN, tokenizer, path, val_fraction=0.05, progress=False)
+        prepare(BUILTIN, tokenizer, run_dataset_path(config, through or workdir), val_fraction=0.05, progress=False)
     return path
 
 
@@ -83,9 +85,9 @@ class RunData(NamedTuple):
 
 
 def open_run_data(config, workdir: str, process_index: int = 0, process_count: int = 1,
-                  log: Callable[[str], None] = print) -> RunData:
+                  log: Callable[[str], None] = print, through: str | None = None) -> RunData:
     """Everything the trainer reads of a run's data, in one place (see RunData)."""
-    source = open_run_dataset(config, workdir, log)
+    source = open_run_dataset(config, workdir, log, through)
     t, seq_len = config["train"], config["data"]["seq_len"]
     eval_batch = max(1, t["global_batch"] // t["micro_batches"])
     train = source.train_batches(seq_len, t["global_batch"], config["seed"], process_index, process_count)

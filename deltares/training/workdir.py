@@ -12,13 +12,16 @@ that the holder refreshes every minute. A second trainer refuses with one line n
 A lock left by a process that died is taken over with a warning: at once on the same host (the
 process is gone, or its id now belongs to a process started later), and from another host once its
 heartbeat is older than `STALE_AFTER_S`. A multi-host run takes it once, on process 0.
+
+A local run directory is held open while the lock is held, and the run writes everything through it
+(`WorkdirLock.through`), so nothing reaches the old path once the directory is moved, deleted, replaced
+or a link on its path changes; `WorkdirLock.problem` says which happened.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import threading
@@ -120,16 +123,47 @@ def _alive(holder: dict) -> bool:
     return started is None or _process_start(pid) in (None, started)
 
 
+PROC_FD = "/proc/self/fd"  # Linux: `PROC_FD/N` is the open directory N wherever it is now
+
+
+def _where(fd: int) -> str | None:
+    """Where the open directory `fd` is now ("" where this system cannot tell), or None once deleted."""
+    try:
+        now = os.readlink(f"{PROC_FD}/{fd}")
+    except OSError:
+        return None if os.fstat(fd).st_nlink == 0 else ""
+    return None if now.endswith(" (deleted)") or os.fstat(fd).st_nlink == 0 else now
+
+
 class WorkdirLock:
-    """The lock of one run directory (see the module docstring); `acquire` then `release`, or `with`."""
+    """The lock of one run directory (see the module docstring); `acquire` then `release`, or `with`.
+
+    A local run directory is held open from `acquire` (or `hold`) to `release`: the lock file is read and
+    written through it, and so is everything the run writes (`through`), so nothing reaches the path
+    once it leads elsewhere; `problem` says when it does (the directory moved, deleted, or a link on
+    its path changed). A bucket cannot be held open: there the run writes by name."""
 
     def __init__(self, workdir: str, log=lambda message: print(message, file=sys.stderr)):
         self.workdir, self.path, self.log = workdir, epath.Path(workdir) / LOCK, log
         self.record = None
         self._stop = threading.Event()
         self._thread = None
-        self._dir_fd = None  # the run directory held open (local only): where it went if it is moved or deleted
-        self._in_place_at = time.time()  # when the run directory was last found where the run began
+        self._dir_fd = None  # the run directory held open (local only)
+        self._began_at = None  # where it was then (its path, links resolved)
+
+    def hold(self) -> None:
+        """Holds the local run directory open (it must exist), once; nothing for a bucket."""
+        if self._dir_fd is None and not paths.is_remote(self.workdir):
+            self._dir_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY)
+            self._began_at = _where(self._dir_fd) or os.path.realpath(self.workdir)
+
+    @property
+    def through(self) -> str:
+        """The path the run writes its files through: on Linux `/proc/self/fd/N`, the run directory held
+        open, which leads to it wherever it is moved (and nowhere once it is deleted); else the workdir."""
+        if self._dir_fd is not None and os.path.isdir(PROC_FD):
+            return f"{PROC_FD}/{self._dir_fd}"
+        return self.workdir
 
     def _new_record(self) -> dict:
         now = time.time()
@@ -137,13 +171,13 @@ class WorkdirLock:
                 "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), "heartbeat": now,
                 "token": uuid.uuid4().hex, "command": " ".join(sys.argv)[:500]}
 
-    def _read(self, dir_fd: int | None = None) -> dict | None:
-        """The lock's record (None: no lock file; {}: unreadable), from `dir_fd`'s directory if given."""
+    def _read(self) -> dict | None:
+        """The lock's record (None: no lock file; {}: unreadable), through the directory held open if it is."""
         try:
-            if dir_fd is None:
+            if self._dir_fd is None:
                 text = self.path.read_text()
             else:
-                with os.fdopen(os.open(LOCK, os.O_RDONLY, dir_fd=dir_fd)) as f:
+                with os.fdopen(os.open(LOCK, os.O_RDONLY, dir_fd=self._dir_fd)) as f:
                     text = f.read()
             holder = json.loads(text)
         except FileNotFoundError:
@@ -163,7 +197,7 @@ class WorkdirLock:
                 with fs.open(path, "xb") as f:
                     f.write(data)
                 return True
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self._dir_fd)
         except FileExistsError:
             return False
         with os.fdopen(fd, "wb") as f:
@@ -173,7 +207,7 @@ class WorkdirLock:
     def _stale(self, holder: dict) -> str | None:
         """Why the lock `holder` was left by a run that is gone, or None while it may still run."""
         if not holder:
-            age = time.time() - _mtime(self.path)
+            age = time.time() - self._mtime()
             return f"an unreadable lock {age:.0f} s old" if age > STALE_AFTER_S else None
         who = f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
         if holder.get("host") == socket.gethostname():
@@ -183,6 +217,14 @@ class WorkdirLock:
 
     def acquire(self) -> None:
         """Takes the lock, or raises WorkdirError naming the trainer that holds it."""
+        self.hold()
+        try:
+            self._acquire()
+        except BaseException:
+            self._let_go()
+            raise
+
+    def _acquire(self) -> None:
         self.record = self._new_record()
         for _ in range(3):
             if self._create():
@@ -220,13 +262,20 @@ class WorkdirLock:
         if paths.is_remote(self.workdir):
             self.path.write_text(json.dumps(record))
             return
-        tmp = self.path.with_name(f"{LOCK}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        tmp, at = f"{LOCK}.{os.getpid()}.tmp", self._dir_fd
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=at), "w") as f:
+            f.write(json.dumps(record))
+        os.replace(tmp, LOCK, src_dir_fd=at, dst_dir_fd=at)
+
+    def _mtime(self) -> float:
+        try:
+            if self._dir_fd is not None:
+                return os.stat(LOCK, dir_fd=self._dir_fd).st_mtime
+            return float(self.path.stat().mtime)
+        except OSError:
+            return time.time()
 
     def _start_heartbeat(self) -> None:
-        if not paths.is_remote(self.workdir) and self._dir_fd is None:
-            self._dir_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY)
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="deltares-lock-heartbeat", daemon=True)
         self._thread.start()
@@ -255,12 +304,12 @@ class WorkdirLock:
 
     def problem(self) -> str | None:
         """Why the run must stop storing its work in this directory, or None while the lock is ours: the
-        run directory was deleted or moved, or another trainer took the lock over. A lock file that was
-        removed (and not taken by another trainer) is made again, with a warning."""
+        path no longer leads to the run directory (`_elsewhere`), or another trainer took the lock over.
+        A lock file that was removed (and not taken by another trainer) is made again, with a warning."""
         if self.record is None:
             return None
-        if (gone := self._directory_gone()) is not None:
-            return gone
+        if (elsewhere := self._elsewhere()) is not None:
+            return elsewhere
         holder = self._read()
         if holder is None:
             if self._create():
@@ -273,64 +322,52 @@ class WorkdirLock:
                else "a trainer that is starting")
         return f"the lock of {self.workdir} was taken over by another trainer ({who}); stopped without saving"
 
-    def _directory_gone(self) -> str | None:
-        """`the run directory ... was deleted / moved to ...`, or None while it is where the run began."""
+    def _elsewhere(self) -> str | None:
+        """Why the workdir's path no longer leads to the run directory held open (it was deleted, moved,
+        or a link on its path now points elsewhere), or None while it does."""
         if self._dir_fd is None:
             return None
         try:
-            same = os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd))
+            if os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd)):
+                return None
         except OSError:
-            same = False
-        if same:
-            self._in_place_at = time.time()
-            return None
-        try:
-            now = os.readlink(f"/proc/self/fd/{self._dir_fd}")
-        except OSError:
-            now = " (deleted)"
-        if now.endswith(" (deleted)") or os.fstat(self._dir_fd).st_nlink == 0:
+            pass
+        now = _where(self._dir_fd)
+        if now is None:
             return f"the run directory {self.workdir} was deleted during the run; stopped (nothing more can be saved)"
+        if not now:
+            return (f"the run directory {self.workdir} was moved or replaced during the run; stopped without saving "
+                    "there: rerun with --workdir naming where it is now to resume it")
+        if now == self._began_at:
+            return (f"{self.workdir} no longer leads to the run directory (a link on the path changed during the run; "
+                    f"the run is in {now}); stopped without saving there: rerun with --workdir {now} to resume it")
         return (f"the run directory {self.workdir} was moved to {now} during the run; stopped without saving there: "
                 f"rerun with --workdir {now} to resume it")
 
-    def clear_old_path(self) -> bool:
-        """After the run directory was moved: removes the folder that a save begun as it moved made again
-        at the old path, so that nothing of the run stays there. Only a folder that holds nothing but
-        `checkpoints/`, all made since the directory was last found in place, is ours; anything else stays."""
-        if self._dir_fd is None or self._directory_gone() is None or not os.path.isdir(self.workdir):
-            return False
-        try:
-            if os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd)) or os.listdir(self.workdir) != [
-                    "checkpoints"]:
-                return False
-            since = self._in_place_at - 1.0  # file times come from a coarser clock than time.time()
-            for folder, dirs, files in os.walk(self.workdir):
-                if any(os.lstat(os.path.join(folder, name)).st_ctime < since for name in [".", *dirs, *files]):
-                    return False
-            shutil.rmtree(self.workdir)
-        except OSError:
-            return False
-        return True
-
     def release(self) -> None:
-        if self.record is None:
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        """Stops the heartbeat, removes the lock file where the directory is now (if it is still ours) and
+        lets go of the directory."""
         try:
-            if self._dir_fd is not None:  # the directory where it is now, if it was moved
-                if self._read(self._dir_fd) == self.record:
-                    os.unlink(LOCK, dir_fd=self._dir_fd)
-            elif self._read() == self.record:
-                self.path.unlink()
-        except OSError:
-            pass  # a lock we cannot remove is taken over by the next run on this host
+            if self.record is not None:
+                self._stop.set()
+                if self._thread is not None:
+                    self._thread.join()
+                try:
+                    if self._read() == self.record:
+                        if self._dir_fd is not None:
+                            os.unlink(LOCK, dir_fd=self._dir_fd)
+                        else:
+                            self.path.unlink()
+                except OSError:
+                    pass  # a lock we cannot remove is taken over by the next run on this host
         finally:
-            if self._dir_fd is not None:
-                os.close(self._dir_fd)
-                self._dir_fd = None
-        self.record = None
+            self.record = None
+            self._let_go()
+
+    def _let_go(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     def __enter__(self):
         self.acquire()
@@ -338,10 +375,3 @@ class WorkdirLock:
 
     def __exit__(self, *exc):
         self.release()
-
-
-def _mtime(path: epath.Path) -> float:
-    try:
-        return float(path.stat().mtime)
-    except OSError:
-        return time.time()

@@ -46,7 +46,7 @@ from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, eval_batches, text_tokens
 from deltares.data.documents import DataError
 from deltares.data.paths import write_file_whole, write_text_atomic
-from deltares.data.run_data import run_dataset_path
+from deltares.data.run_data import check_trained_tokenizer, run_dataset_path
 from deltares.interop.inference import check_params
 from deltares.nn.layers import DepthRouter
 from deltares.training.metrics import read_metrics
@@ -72,6 +72,7 @@ class Run(NamedTuple):
     step: int
     config: ml_collections.ConfigDict
     params: dict
+    dataset: dict | None = None  # the record of the data it was trained on (None: older checkpoints)
 
 
 def load_run(path: str) -> Run:
@@ -82,7 +83,7 @@ def load_run(path: str) -> Run:
         check_params(ckpt.state["params"], cfg.model)
     except (ValueError, KeyError, AttributeError) as err:
         raise AnalysisError(f"{path}: {err}") from None
-    return Run(run_name(ckpt.workdir), ckpt.workdir, ckpt.step, cfg, ckpt.state["params"])
+    return Run(run_name(ckpt.workdir), ckpt.workdir, ckpt.step, cfg, ckpt.state["params"], ckpt.dataset)
 
 
 def _local(path: str) -> str:
@@ -99,13 +100,14 @@ def run_name(workdir: str) -> str:
 def held_out_tokens(run: Run, data: str | None) -> tuple[np.ndarray, str]:
     """Tokens to analyse: `data` (a prepared dataset's validation split or a text file), else the run's own
     validation split. Returns the tokens and a description of where they come from."""
-    own = run_dataset_path(run.config.to_dict(), run.workdir)
-    if data is None:
-        tokens, source = TokenData(own).tokens("val"), os.path.join(own, "val")
-    elif os.path.isdir(data):
-        tokens, source = TokenData(data).tokens("val"), os.path.join(data, "val")
+    config = run.config.to_dict()
+    own = run_dataset_path(config, run.workdir)
+    dataset = TokenData(data if data is not None and os.path.isdir(data) else own)
+    check_trained_tokenizer(dataset, run.dataset, config, run.workdir, run.step)  # as deltares.eval does
+    if data is None or os.path.isdir(data):
+        tokens, source = dataset.tokens("val"), os.path.join(dataset.path, "val")
     else:  # local text, read and tokenized as deltares.eval does
-        tokens, _ = text_tokens(data, TokenData(own).tokenizer())
+        tokens, _ = text_tokens(data, dataset.tokenizer())
         source = data
     vocab = int(tokens.max()) + 1 if len(tokens) else 0
     if vocab > run.config.model.vocab_size:

@@ -38,7 +38,7 @@ from deltares.data.documents import BUILTIN, DataError
 from deltares.data.run_data import RunData, open_run_data
 from deltares.data.source import DataSource, unigram_perplexity
 from deltares.interop import hf
-from deltares.nn.attention import check_attention
+from deltares.nn.config import check_platform
 from deltares.nn.stack import with_layer_layout
 from deltares.training.experiment import field_names, flat_fields, validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
@@ -163,11 +163,12 @@ def dry_run(cfg) -> dict:
     }
 
 
-def _check_resumable(saved: dict, saved_data: dict | None, cfg, source: DataSource, workdir: str) -> None:
+def _check_resumable(saved: dict, saved_data: dict | None, cfg, source: DataSource, workdir: str) -> list[str]:
     """Refuses to resume a checkpoint of another config or other data (unless config.force): the
-    fields in RESUME_KEYS, and the dataset the checkpoint recorded (its tokenizer and token counts)."""
+    fields in RESUME_KEYS, and the dataset the checkpoint recorded (its tokenizer and token counts).
+    Returns the differences config.force resumes despite ([] when there are none), each said."""
     current = config_json(cfg)
-    diffs = [key for key in RESUME_KEYS if _get(saved, key) != _get(current, key)]
+    diffs = resume_differences(saved, current)
     if saved_data:  # checkpoints written before the dataset record have none
         now = source.record()
         if saved_data.get("tokenizer_sha256") != now["tokenizer_sha256"]:
@@ -176,13 +177,25 @@ def _check_resumable(saved: dict, saved_data: dict | None, cfg, source: DataSour
             diffs.append(f"the data under data.dataset (token counts {saved_data.get('tokens')}, now {now['tokens']})")
     if diffs and not cfg.force:
         raise TrainError(
-            f"{workdir} holds a checkpoint of another config (differs in {', '.join(diffs)}); "
+            f"{workdir} holds a checkpoint of another config (differs in {'; '.join(diffs)}); "
             "use a new --workdir, or --config.force=True to resume it anyway"
         )
     if diffs:
-        say(f"warning: resuming {workdir} despite config differences in {', '.join(diffs)} (config.force)")
+        say(f"warning: resuming {workdir} despite config differences (config.force): {'; '.join(diffs)}; the "
+            "checkpoint's parameters and optimizer state are loaded into this config's model as they are, which "
+            "needs the same parameter names and shapes")
     if changed := changed_settings(saved, current):
         say(f"warning: resuming {workdir} with settings other than its checkpoint's: {'; '.join(changed)}")
+    return diffs
+
+
+def resume_differences(saved: dict, current: dict) -> list[str]:
+    """`config.<field> <saved> -> <now>` for every field of RESUME_KEYS (each field of a section) that differs
+    between a checkpoint's config and the resumed run's."""
+    before, now = flat_fields(saved), flat_fields(current)
+    keys = [key for key in sorted(before.keys() | now.keys()) if before.get(key) != now.get(key) and any(
+        key == k or key.startswith(k + ".") for k in RESUME_KEYS)]
+    return [f"config.{key} {before.get(key)!r} -> {now.get(key)!r}" for key in keys]
 
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
@@ -322,8 +335,7 @@ def _mesh(cfg):
     try:
         mesh = make_mesh(cfg.mesh)
         check_batch_split(cfg.train, mesh)
-        check_attention(cfg.model.attention, mesh.devices.flat[0].platform, cfg.data.seq_len,
-                        cfg.model.residual.interpret)
+        check_platform(cfg.model, mesh.devices.flat[0].platform, cfg.data.seq_len)  # attention and kernels
     except ValueError as err:
         raise TrainError(str(err)) from None
     return mesh
@@ -367,15 +379,17 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
         raise TrainError(str(err)) from None
     if start is not None:
         _note(f"restoring step {start}")
-        _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.source, workdir)
+        forced = _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.source, workdir)
         abstract_state = training.abstract_state
         try:
             ckpt.check_params(start, abstract_state["params"])
         except ValueError as err:
-            raise TrainError(f"cannot restore step {start} of {ckpt.directory} into this config: {err}") from None
+            raise TrainError(_cannot_resume(start, ckpt, str(err), forced, workdir)) from None
         try:
             state, data_state = ckpt.restore(start, abstract_state)
         except Exception as err:  # noqa: BLE001 - whatever the storage layer raises, one line
+            if forced:  # another config: its checkpoint is sound, it just does not fit
+                raise TrainError(_cannot_resume(start, ckpt, first_line(err), forced, workdir)) from None
             raise TrainError(
                 f"restoring step {start} of {ckpt.directory} failed ({first_line(err)}); if the step is damaged, "
                 "move it away or resume an older one with --config.train.resume_step"
@@ -393,6 +407,17 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
     if params is None:
         return state, 0
     return jax.device_put({**state, "params": params, "opt_state": training.tx.init(params)}, training.state_shardings), 0
+
+
+def _cannot_resume(step: int, ckpt: Checkpointer, why: str, forced: list[str], workdir: str) -> str:
+    """Why step `step` does not restore into this config, and what to do: with config.force, its checkpoint is
+    of another config, not damaged, so it stays as it is and this config starts in a new run directory."""
+    message = f"cannot restore step {step} of {ckpt.directory} into this config ({why.rstrip(':')})"
+    if not forced:
+        return message
+    return (f"{message}: config.force resumes only a checkpoint whose parameters fit, and this one is of another "
+            f"config ({'; '.join(forced)}); nothing was changed. To start this config from its parameters (those "
+            f"of the same name and shape), use a new --workdir with --config.init_from={workdir}")
 
 
 def first_line(err: BaseException) -> str:

@@ -281,6 +281,18 @@ def other_data_same_path(bench, name, edit, evaluate=True):
     return [row(f"{name} (resume)", proc, lost=lost)] + ([row(f"{name} (eval)", evaluation)] if evaluate else [])
 
 
+def own_dataset_of_another_tokenizer(bench):
+    """A run directory whose `dataset/` holds the built-in corpus prepared with the bytes tokenizer, trained
+    with a config that asks for gpt2: refused before anything is read or written."""
+    workdir = bench.dir("own_dataset_other_tokenizer")
+    shutil.copytree(bench.data, os.path.join(workdir, "dataset"))
+    before = tree_digest(workdir)
+    proc = run(module_cmd("deltares.train", "--config", DEBUG, "--workdir", workdir, "--config.data.dataset=builtin",
+                          "--config.data.tokenizer=gpt2", "--config.model.vocab_size=50304", *RESUME))
+    return row("run's own dataset/ of another tokenizer than the config's", proc,
+               lost=unchanged(before, tree_digest(workdir)))
+
+
 def other_tokenizer(data):
     tf.edit_meta(__import__("pathlib").Path(data), tokenizer_sha256="0" * 64)
 
@@ -575,6 +587,7 @@ FAULTS = {
     "odd-length split": odd_length_split,
     "other tokenizer, same size": lambda b: other_data_same_path(b, "other tokenizer, same size", other_tokenizer),
     "other data, same path": lambda b: other_data_same_path(b, "other data, same path", other_tokens, evaluate=False),
+    "run's own dataset of another tokenizer": own_dataset_of_another_tokenizer,
     "non-finite loss": non_finite,
     "commands": commands,
     # issue 41: nothing destroyed

@@ -199,10 +199,13 @@ def test_7b_on_four_v5e_chips_does_not_fit():
 @needs_libtpu
 @pytest.mark.parametrize(
     "topology, words",
-    [("v9z:2x2", "Invalid TPU"), ("v5e-16", "GENERATION:AxB"), ("v5e:4x4", "does not split")],
+    [("v9z:2x2", "Invalid TPU"), ("v5e-16", "GENERATION:AxB"), ("v5e:4x4", "does not split"),
+     ("v5e:2x2 --config.model.residual.impl=pallas_gpu", "'pallas_gpu' is invalid: cannot run here (it compiles for "
+      "gpu only (or runs with interpret=True), the target is tpu)")],
 )
 def test_bad_topology_or_batch_is_one_error_line(topology, words):
-    proc = run_aot("--config", "experiments/debug.py", "--topology", topology)
+    """(And a kernel named for another platform than the target's: the GPU routing kernel on a TPU slice.)"""
+    proc = run_aot("--config", "experiments/debug.py", "--topology", *topology.split())
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

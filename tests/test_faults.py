@@ -282,7 +282,14 @@ def test_truncated_split_names_its_file(tmp_path, builtin_dataset):
 
 def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset, tmp_path):
     """The run was trained on the bytes tokenizer; a dataset whose tokenizer differs but has the same
-    vocabulary size (here: recorded under another fingerprint) must not resume it or be scored by it."""
+    vocabulary size (here: recorded under another fingerprint) must not resume it or be scored by it:
+    not by eval, nor analyze, whether named (`--data DIR`), the run's own (no `--data`), or the tokenizer
+    of text (`--data FILE`, tokenized with the run's own dataset's tokenizer)."""
+    from deltares.analyze import held_out_tokens, load_run
+
+    text = tmp_path / "text.txt"
+    text.write_text("Call me Ishmael.\n\nSome years ago.\n")
+    analyzed = load_run(finished)
     data = copy_dataset(builtin_dataset, tmp_path)
     edit_meta(data, tokenizer_sha256="0" * 64)
     before = tree_digest(finished)
@@ -293,8 +300,12 @@ def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset
         shutil.copytree(data, builtin_dataset)
         with pytest.raises(TrainError, match="differs in the tokenizer of the dataset"):
             train(cfg, finished)
-        with pytest.raises(DataError, match="another tokenizer than the one step 30 was trained with"):
-            evaluate_checkpoint(finished, str(builtin_dataset))
+        for refused in (lambda: evaluate_checkpoint(finished, str(builtin_dataset)),
+                        lambda: evaluate_checkpoint(finished, str(text)),
+                        lambda: held_out_tokens(analyzed, str(builtin_dataset)),
+                        lambda: held_out_tokens(analyzed, None), lambda: held_out_tokens(analyzed, str(text))):
+            with pytest.raises(DataError, match="another tokenizer than the one step 30 was trained with"):
+                refused()
         edit_meta(builtin_dataset, tokenizer_sha256=None)  # same tokenizer, other token counts: other data
         shrink_train(builtin_dataset, 100)
         with pytest.raises(TrainError, match="differs in the data under data.dataset"):

@@ -296,13 +296,18 @@ class Checkpointer:
         self.manager.reload()
 
     def check_params(self, step: int, abstract_params) -> None:
-        """Raises ValueError naming the first parameter whose stored shape differs (or is missing)."""
+        """Raises ValueError naming the first parameter whose stored shape differs, or that only one of the
+        checkpoint and the config has."""
         stored = stored_params(paths.join(self.step_dir(step), "state"))
         stored = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
+        needed = set()
         for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
             name = jax.tree_util.keystr(key)
+            needed.add(name)
             if stored.get(name) != tuple(leaf.shape):
                 raise ValueError(f"parameter {name}: checkpoint has {stored.get(name, 'none')}, config needs {leaf.shape}")
+        if extra := sorted(set(stored) - needed):
+            raise ValueError(f"parameter {extra[0]}: checkpoint has {stored[extra[0]]}, config has none")
 
     def restore(self, step: int, abstract_state):
         """(state, data_state) of `step`, with `abstract_state`'s structure, shapes and shardings."""

@@ -49,11 +49,17 @@ def missing_train_packages() -> list[str]:
     return missing
 
 
+def require_train(who: str = "the deltares tools need") -> None:
+    """Ends the program with one `error:` line naming the trainer's packages that are missing (a core
+    install, without the `train` extra), if any; `who` says what needs them (the tools, an example)."""
+    missing = missing_train_packages()
+    if missing:
+        _sys.exit(f"error: {who} the trainer's packages, which an install without the `train` extra leaves out "
+                  f"(missing: {', '.join(missing)}): pip install \".[train]\" in a checkout")
+
+
 if _started_as_a_tool():
-    _missing = missing_train_packages()
-    if _missing:
-        _sys.exit(f"error: the deltares tools need the trainer's packages, which an install without the `train` "
-                  f"extra leaves out (missing: {', '.join(_missing)}): pip install \".[train]\" in a checkout")
+    require_train()
 
     from deltares.command_line import handle_interrupts as _handle_interrupts
 

@@ -6,7 +6,8 @@
 For every run (the newest checkpoint of a workdir, or one step directory) and every
 sublayer j it reads the per-token softmax weights of the sublayer's depth router on
 `--max_batches` batches of held-out text (the run's own validation split unless
-`--data` names a prepared dataset directory or a text file) and reports:
+`--data` names a prepared dataset directory, or any source `deltares.data.prepare --source` takes,
+with `--text_field` for records) and reports:
 
 - `max_weight`: the largest weight of each token; mean and quartiles over all tokens,
 - `entropy`: of each token's weights (nats); mean and quartiles,
@@ -43,8 +44,9 @@ from absl import flags
 
 from deltares.training.checkpoint import load_checkpoint
 from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
-from deltares.data.dataset import TokenData, eval_batches, text_tokens
-from deltares.data.documents import DataError
+from deltares.data.dataset import TokenData, data_units, eval_batches, prepared_folder, source_tokens
+from deltares.data.documents import SOURCE_HELP, DataError
+from deltares.common.outputs import OutputError, check_output
 from deltares.data.paths import write_file_whole, write_text_atomic
 from deltares.data.run_data import check_trained_tokenizer, run_dataset_path
 from deltares.interop.inference import check_params
@@ -97,17 +99,20 @@ def run_name(workdir: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(workdir))) or "run"
 
 
-def held_out_tokens(run: Run, data: str | None) -> tuple[np.ndarray, str]:
-    """Tokens to analyse: `data` (a prepared dataset's validation split or a text file), else the run's own
-    validation split. Returns the tokens and a description of where they come from."""
+def held_out_tokens(run: Run, data: str | None, units: list[dict] | None = None,
+                    text_field: str = "text") -> tuple[np.ndarray, str]:
+    """Tokens to analyse: `data` (a prepared dataset's validation split, or the documents of `units`, the
+    source `data` names: deltares.data.dataset.data_units), else the run's own validation split. Returns the
+    tokens and a description of where they come from. Data of another tokenizer than the checkpoint was
+    trained with is refused, as deltares.eval does."""
     config = run.config.to_dict()
     own = run_dataset_path(config, run.workdir)
-    dataset = TokenData(data if data is not None and os.path.isdir(data) else own)
-    check_trained_tokenizer(dataset, run.dataset, config, run.workdir, run.step)  # as deltares.eval does
-    if data is None or os.path.isdir(data):
+    dataset = TokenData(data if data is not None and units is None else own)
+    check_trained_tokenizer(dataset, run.dataset, config, run.workdir, run.step)
+    if data is None or units is None:
         tokens, source = dataset.tokens("val"), os.path.join(dataset.path, "val")
-    else:  # local text, read and tokenized as deltares.eval does
-        tokens, _ = text_tokens(data, dataset.tokenizer())
+    else:  # a source of documents, read and tokenized as deltares.eval does
+        tokens, _ = source_tokens(units, dataset.tokenizer(), text_field)
         source = data
     vocab = int(tokens.max()) + 1 if len(tokens) else 0
     if vocab > run.config.model.vocab_size:
@@ -374,19 +379,26 @@ def warn(message: str) -> None:
 
 
 def analyze(paths: list[str], out: str | None = None, data: str | None = None, batch: int = 8,
-            max_batches: int = 8) -> dict:
+            max_batches: int = 8, *, text_field: str = "text", hf_config: str | None = None,
+            hf_split: str = "train") -> dict:
     """Analyses every run in `paths`, writes `routing.json` and the figures into `out`; returns the JSON."""
     if not paths:
         raise AnalysisError("no run given: pass --workdir (or --checkpoint) at least once")
     if batch < 1 or max_batches < 1:
         raise AnalysisError("--batch and --max_batches must be positive")
+    units = None if data is None or prepared_folder(data) else data_units(
+        data, text_field=text_field, hf_config=hf_config, hf_split=hf_split)
+    data_inputs = [] if data is None else [prepared_folder(data)] if units is None else [
+        u["path"] for u in units if os.path.isabs(u["path"])]
+    if out:
+        out = check_analysis_out(out, paths, data_inputs)
     runs = [load_run(p) for p in paths]
     names = [r.name for r in runs]
     runs = [r._replace(name=f"{r.name}_{i}") if names.count(r.name) > 1 else r for i, r in enumerate(runs)]
-    out = out or os.path.join(runs[0].workdir, "analysis")
+    out = out or check_analysis_out(os.path.join(runs[0].workdir, "analysis"), paths, data_inputs)
     results = []
     for run in runs:
-        tokens, source = held_out_tokens(run, data)
+        tokens, source = held_out_tokens(run, data, units, text_field)
         batches = eval_batches(tokens, run.config.data.seq_len, batch, max_batches)
         result = analyze_run(run, batches)
         result["data"] = source
@@ -418,6 +430,17 @@ def analyze(paths: list[str], out: str | None = None, data: str | None = None, b
     return report
 
 
+def check_analysis_out(out: str, paths: list[str], data_inputs: list[str] | None = None) -> str:
+    """The folder analyze writes into (a link's target), checked before anything is written
+    (deltares.common.outputs): never a run, a dataset or a folder of one (but a new folder directly in a
+    run, such as the default `<run>/analysis`), nor an input (the runs, the files or dataset `--data`
+    reads); AnalysisError saying why not."""
+    try:
+        return check_output(out, writes="files", inputs=list(paths) + list(data_inputs or ()))
+    except OutputError as err:
+        raise AnalysisError(str(err)) from None
+
+
 def summary_table(report: dict) -> str:
     def fmt(x):
         return "-" if x is None else f"{x:.3f}"
@@ -438,7 +461,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     paths = list(_WORKDIR.value or []) + list(_CHECKPOINT.value or [])
     try:
-        report = analyze(paths, _OUT.value, _DATA.value, _BATCH.value, _MAX_BATCHES.value)
+        report = analyze(paths, _OUT.value, _DATA.value, _BATCH.value, _MAX_BATCHES.value, text_field=_TEXT_FIELD.value,
+                         hf_config=_HF_CONFIG.value, hf_split=_HF_SPLIT.value)
     except (AnalysisError, DataError, FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
     print(summary_table(report))
@@ -448,14 +472,17 @@ def main(argv):
 def cli() -> None:
     """The command line (`python -m deltares.analyze`, `deltares-analyze`); flags only here, so modules
     import side by side."""
-    global _WORKDIR, _CHECKPOINT, _DATA, _OUT, _BATCH, _MAX_BATCHES
+    global _WORKDIR, _CHECKPOINT, _DATA, _OUT, _BATCH, _MAX_BATCHES, _TEXT_FIELD, _HF_CONFIG, _HF_SPLIT
     from deltares import command_line
     from deltares.common.domains import AT_LEAST_1, define_number
 
     _WORKDIR = flags.DEFINE_multi_string("workdir", None, "A run directory (newest checkpoint); repeat for more runs.")
     _CHECKPOINT = flags.DEFINE_multi_string("checkpoint", None, "A workdir or one checkpoint step directory; repeatable.")
-    _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory or a text file (default: each run's "
-                                "own validation split).")
+    _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or any source prepare's --source takes "
+                                "(default: each run's own validation split).")
+    _TEXT_FIELD = flags.DEFINE_string("text_field", "text", SOURCE_HELP["text_field"])
+    _HF_CONFIG = flags.DEFINE_string("hf_config", None, SOURCE_HELP["hf_config"])
+    _HF_SPLIT = flags.DEFINE_string("hf_split", "train", SOURCE_HELP["hf_split"])
     _OUT = flags.DEFINE_string("out", None, "Output directory (default: <first run>/analysis).")
     _BATCH = define_number(flags.DEFINE_integer, "batch", 8, "Sequences per batch.", AT_LEAST_1)
     _MAX_BATCHES = define_number(flags.DEFINE_integer, "max_batches", 8,

@@ -22,9 +22,10 @@ Topology strings are libtpu's `generation:chips`, e.g. `v4:2x2x2`, `v5p:2x2x2`, 
 as JAX uses them), the others with one device per TensorCore as libtpu lays them out.
 
 `--gpu h100|h200` (instead of `--topology`) compiles for one such GPU with XLA's CUDA compiler,
-the PJRT plugin of JAX's CUDA build (`jax-cuda12-pjrt`; not in requirements.txt: see
+the PJRT plugin of JAX's CUDA build with CUDA's ptxas and libdevice from wheels
+(requirements-cuda-compiler.txt, not in requirements.txt; no CUDA toolkit is read: see
 deltares/training/gpu_aot.py), for the GPU described in deltares/training/gpu_targets/. Pallas kernels
-are Triton kernels there. `--gpu h100:8` compiles for 8 of them in one host, as one process of the
+are Triton or Mosaic GPU kernels there (`pallas_kernel_calls` counts both). `--gpu h100:8` compiles for 8 of them in one host, as one process of the
 trainer uses a node's GPUs: the step sharded over the mesh of config.mesh (or --mesh) with its
 collectives, and the memory of each device; the compiler makes N compile-only GPUs itself, so these
 are the sharded program's own figures, not one GPU's scaled. The GPU compiler states no memory
@@ -34,9 +35,12 @@ bf16) is compiled as on the GPU: the target config states cuDNN's version and th
 
 `--estimate` with `--gpu` prices the compiled program's kernels (`deltares.training.gpu_step_time`:
 each launch's bytes at the memory bandwidth, its FLOPs at the tensor-core peak, plus a cost per
-launch, three constants fitted to step times measured on an H200) and reports launches per step and
-per sublayer, the routing's share and the time by kind of kernel: a model, not a measurement. It
-is for one GPU and refused with `NAME:N`: the model knows no traffic between GPUs.
+launch, a Pallas kernel's bytes at a bandwidth of its own; constants fitted to step times measured on
+an H200) and reports launches per step and per sublayer, the routing's share and the time by kind of
+kernel: a model, not a measurement. For a routed mode it compiles baseline's step too and reports the
+mode's ratio to it with the band the model's error on a mode's cost over baseline (on the rows held
+out of its fit) puts on it. It is for one GPU and refused with `NAME:N`: the model knows no traffic
+between GPUs.
 
 Reported, per device: arguments (the sharded train state and batch), outputs (the new
 state and the metrics), the bytes outputs share with donated arguments (aliased, counted
@@ -76,8 +80,6 @@ from deltares.training.compile_only import (  # noqa: F401 - re-exported: the to
     EXAMPLE_TOPOLOGIES,
     AotError,
     check_config,
-    mesh_config,
-    parse_topology,
     step_mesh,
     topology_devices,
     train_step,
@@ -152,11 +154,11 @@ def hbm_of(device) -> tuple[int | None, str]:
 
 
 def pallas_kernel_calls(hlo_text: str) -> int:
-    """Pallas kernels in a compiled program's HLO: Mosaic custom calls (TPU), Triton kernels (GPU)."""
-    return hlo_text.count('custom_call_target="tpu_custom_call"') + len(_TRITON_KERNEL.findall(hlo_text))
+    """Pallas kernels in a compiled program's HLO: Mosaic custom calls (TPU), kernels of their own (GPU:
+    `hlo_kernels.OWN_KERNELS`: Triton, Mosaic GPU)."""
+    from deltares.training.hlo_kernels import own_kernel_calls
 
-
-_TRITON_KERNEL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
+    return hlo_text.count('custom_call_target="tpu_custom_call"') + own_kernel_calls(hlo_text)
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -274,10 +276,12 @@ def _gpu_devices(name: str, count: int) -> list:
 
 
 def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_name: str = "",
-            gpu: str | None = None, estimate: bool = False) -> dict:
+            gpu: str | None = None, estimate: bool = False, vs_baseline: bool = True) -> dict:
     """Compiles the train step of `cfg` for `topology` (a TPU slice) or `gpu` (GPUs of one host: "h100",
     "h200:8") and returns the report (see module doc); with `gpu` and `estimate` (one GPU), the GPU
-    step-time model of the compiled program too (`deltares.training.gpu_step_time`)."""
+    step-time model of the compiled program too (`deltares.training.gpu_step_time`), and for a routed mode
+    with `vs_baseline` baseline's step compiled and estimated as well: the mode's ratio to it, with the
+    band the model's error on a mode's cost over baseline puts on it (`gpu_step_time.ratio_band`)."""
     from deltares.training.metrics import model_flops_per_token
 
     if gpu:
@@ -317,7 +321,23 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
 
         report["estimate"] = gpu_estimate(compiled.as_text(), gpu, cfg.model.n_layers)
         report["estimate"]["mfu"] = estimated_mfu(report)
+        if vs_baseline and cfg.model.residual.mode != "baseline":
+            report["estimate"]["vs_baseline"] = _vs_baseline(cfg, mesh_override, config_name, gpu,
+                                                             report["estimate"]["seconds"])
     return report
+
+
+def _vs_baseline(cfg, mesh_override, config_name: str, gpu: str, seconds: float) -> dict:
+    """Baseline's step of the same config compiled and estimated: the mode's ratio to it and its band."""
+    from deltares.training.gpu_step_time import ratio_band
+
+    base_cfg = cfg.copy_and_resolve_references()
+    base_cfg.model.residual.mode = "baseline"
+    say("compiling baseline's step too, for the ratio ...")
+    base = analyze(base_cfg, None, mesh_override, config_name, gpu, estimate=True)
+    if "estimate" not in base:  # baseline's step did not fit the device
+        return {}
+    return dict(ratio_band(seconds, base["estimate"]["seconds"]), baseline_seconds=base["estimate"]["seconds"])
 
 
 def _report_header(cfg, topology, gpu, devices, mesh, abstract_state, config_name: str) -> dict:
@@ -488,6 +508,13 @@ def _format_gpu_estimate(r: dict) -> list[str]:
                      f"{row['flops']:>10.3e}")
     lines.append(f"estimated MFU: {_percent(e.get('mfu'))} (the 6N+attention FLOPs per step against the bf16 peak at "
                  "the estimated step time)")
+    v = e.get("vs_baseline")
+    if v:
+        lo, hi = cal["overhead_error"]
+        lines.append(f"estimated vs baseline: {v['ratio']:.3f}x of baseline's {_seconds(v['baseline_seconds'])}, "
+                     f"{v['low']:.3f}x to {v['high']:.3f}x with the model's error on a mode's cost over baseline "
+                     f"({100 * lo:+.0f}% to {100 * hi:+.0f}% on the held-out rows); a goal within that band is "
+                     "undecided until measured")
     return lines
 
 
@@ -527,7 +554,8 @@ def search(cfg, topology: str | None, mesh_override: str | None = None, config_n
         trial_cfg = cfg.copy_and_resolve_references()
         trial_cfg.model.remat, trial_cfg.model.loss_chunk = remat, chunk
         say(f"compiling with remat {remat}, loss_chunk {chunk} ...")
-        r = analyze(trial_cfg, topology, mesh_override, config_name, gpu, estimate=bool(gpu and estimate))
+        r = analyze(trial_cfg, topology, mesh_override, config_name, gpu, estimate=bool(gpu and estimate),
+                    vs_baseline=False)
         hbm = r["hbm_bytes"]
         trial = dict(remat=remat, loss_chunk=chunk, fits=r["fits"], per_device_bytes=r["per_device_bytes"])
         if gpu and estimate and r["fits"]:
@@ -640,8 +668,9 @@ def cli() -> None:
         "estimate", False, "Also an estimate of the step time. TPU: the TPU compiler's cost model "
         "(deltares.training.step_time: unrolled compiles at a few depths, extrapolated, or with unrolled layers the "
         "whole model). One GPU: a model of the compiled program's kernels (deltares.training.gpu_step_time: bytes at the "
-        "memory bandwidth, FLOPs at the peak, a cost per launch, fitted to H200 measurements). Models, not "
-        "measurements.")
+        "memory bandwidth, FLOPs at the peak, a cost per launch, fitted to H200 measurements; for a routed mode baseline "
+        "compiled too: the ratio to it, with the band of the model's error on a mode's cost over baseline). Models, "
+        "not measurements.")
     _SEARCH = flags.DEFINE_bool(
         "search", False, "Compile at every remat policy (none, dots, full) with the plain and the chunked loss and "
         "report which fit and the fastest that fits (by the estimate with --estimate, else by the order of less "

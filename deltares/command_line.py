@@ -22,6 +22,8 @@ import threading
 
 from absl import app, flags
 
+from deltares.common import interrupts, lock
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -50,12 +52,14 @@ def experiments_dir() -> str:
 
 
 def resolve_config(value: str) -> str:
-    """A `--config` value. A file that exists is kept as given; otherwise `NAME[:ARG]`, `NAME.py[:ARG]`
-    or `experiments/NAME.py[:ARG]` naming a shipped experiment becomes that file's path, so
+    """A `--config` value. A path that exists is kept as given (`~` expanded); otherwise `NAME[:ARG]`,
+    `NAME.py[:ARG]` or `experiments/NAME.py[:ARG]` naming a shipped experiment becomes that file's path, so
     `--config tiny:delta_block` and the README's `--config experiments/tiny.py:delta_block` work
-    from any directory. Anything else is kept (the tool reports the missing file)."""
+    from any directory. Anything else is kept (`config_file_error` names what is wrong with it)."""
     path, sep, arg = value.partition(":")
-    if os.path.exists(path) or os.path.dirname(path) not in ("", "experiments"):
+    if os.path.lexists(os.path.expanduser(path)):
+        return os.path.expanduser(path) + sep + arg
+    if os.path.dirname(path) not in ("", "experiments"):
         return value
     name = os.path.basename(path)
     shipped = os.path.join(experiments_dir(), name if name.endswith(".py") else name + ".py")
@@ -128,18 +132,22 @@ def config_file_argument(argv: list[str]) -> str | None:
 
 
 def config_file_error(path: str) -> str | None:
-    """Why the experiment file `path` cannot be loaded, in one line naming it (a missing file, a
-    folder, unreadable text, a syntax error), or None. Checked before absl parses the flags:
-    ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
+    """Why the experiment file `path` cannot be loaded, in one line naming it (what
+    deltares.common.inputs.resolve_input says of a path that names no readable file: missing, a folder, a
+    symlink loop, unreadable; text that is not UTF-8; a syntax error), or None. Checked before absl parses
+    the flags: ml_collections defers a missing file to a garbled error and lets a syntax error escape as a
     traceback."""
+    # imported here: `import deltares` imports this module first, and `python -m deltares.common.inputs` runs alone
+    from deltares.common.inputs import DataError, resolve_input  # noqa: PLC0415
+
     if not path:
         return "--config names no experiment file (FILE[:ARG], e.g. experiments/tiny.py:delta_block)"
-    if not os.path.exists(path):
-        return f"--config {path}: no such file"
-    if os.path.isdir(path):
-        return f"--config {path}: is a folder, not an experiment file"
     try:
-        with open(path, encoding="utf-8") as f:
+        resolve_input(path, flag="--config")
+    except DataError as err:
+        return str(err)
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8-sig") as f:  # Python reads a byte-order mark too
             compile(f.read(), path, "exec")
     except SyntaxError as err:
         return f"--config {path} line {err.lineno}: {err.msg}"
@@ -199,7 +207,7 @@ def _one_line_errors(main):
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as a shell reports it
 _note = {"doing": "starting", "left": "nothing was written"}
 _cleanups: list = []
-_whole = threading.RLock()  # held by a write that must not be cut short; the exit path takes it for good
+_whole = interrupts.WHOLE  # held by a write that must not be cut short; the exit path takes it for good
 _watching = False
 
 
@@ -259,31 +267,45 @@ def on_interrupt(cleanup):
             _cleanups.remove(cleanup)
 
 
-@contextlib.contextmanager
-def whole():
-    """A block that an interrupt does not cut short: the process ends after it, not inside it."""
-    with _whole:
-        yield
+whole = interrupts.whole  # a block that an interrupt does not cut short
 
 
 def _exit_interrupted(sig: signal.Signals) -> None:
-    """Waits for a write that must be whole (and lets no other start), runs the cleanups, ends the
-    worker processes, prints the line and exits."""
+    """Waits for a write that must be whole (and lets no other start), runs the cleanups, releases the
+    locks this process holds, ends the worker processes, prints the line and exits."""
     _whole.acquire(timeout=30)
     for cleanup in reversed(_cleanups):
         try:
             cleanup()
         except Exception:  # noqa: BLE001, S110 - exiting anyway: the next run handles what is left
             pass
-    mp = sys.modules.get("multiprocessing")
-    for child in mp.active_children() if mp is not None else ():
-        child.terminate()
+    lock.release_all()
+    _end_worker_processes()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     line = f"error: interrupted by {sig.name} while {_note['doing']}" + (f"; {_note['left']}" if _note["left"] else "")
     os.write(2, f"\n{line}\n".encode())  # after a progress bar or the terminal's ^C
     os._exit(EXIT_CODES[sig])
+
+
+def _end_worker_processes() -> None:
+    """Ends the processes that `multiprocessing` started (a worker pool's: waited for, so that none is left
+    starting), then unlinks the named semaphores of its pools and queues, which `os._exit` would leave to
+    the resource tracker (it warns of them as leaked)."""
+    mp = sys.modules.get("multiprocessing")
+    children = mp.active_children() if mp is not None else []
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=10)
+    util, synchronize = sys.modules.get("multiprocessing.util"), sys.modules.get("multiprocessing.synchronize")
+    if util is None or synchronize is None:
+        return
+    for finalizer in list(getattr(util, "_finalizer_registry", {}).values()):
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            with contextlib.suppress(Exception):
+                finalizer()
 
 
 def run(main, quiet_libtpu: bool = True, config_fields=list) -> None:

@@ -13,7 +13,7 @@ training throughput over the logged windows, and the largest `peak_bytes`
 
 Groups of seeds (`--group`; `--seed_pattern`, `--baseline`, `--json` and `--depth_figure` imply it):
 
-    python -m deltares.compare runs/seeds/* --group --out results.md
+    python -m deltares.compare runs/seeds/* --group --out seeds.md
     python -m deltares.compare 'runs/seeds/delta_block_s*' runs/seeds/baseline_s0 --json groups.json
     python -m deltares.compare runs/deep/* --depth_figure depth_ppl.png --seed_pattern '_seed\d+$'
 
@@ -40,6 +40,10 @@ plots the validation perplexity of the groups against `model.n_layers` (mean, ±
 line per mode (per series: groups alike in every compared field but the depth and, where that
 keeps one group per depth, `model.residual.block_layers`), and writes its data beside it
 (`<figure>.json`).
+
+`--out`, `--json` and `--depth_figure` are checked before any run is read: an existing file is replaced
+only with `--overwrite` (through a file beside it and a rename, a link's target), and a file of a run
+or a dataset never.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import sys
 from absl import flags
 
 from deltares.analyze import AnalysisError, save_figure
+from deltares.common.outputs import OutputError, check_output
 from deltares.data.paths import write_text_atomic
 from deltares.training.metrics import read_metrics
 from deltares.training.checkpoint import load_checkpoint
@@ -551,21 +556,43 @@ def compare_summaries(summaries: list[dict]) -> str:
     return markdown(summaries)
 
 
+def check_outputs(runs: list[str], outputs: dict, overwrite: bool) -> dict:
+    """The files compare is to write ({flag: path}, e.g. {"--out": "results.md"}; a figure's data file
+    beside it), each checked before any run is read (deltares.common.outputs: never a file of a run or a
+    dataset, an existing file only with `overwrite`); {flag: the path to write}. AnalysisError saying why not."""
+    if "--depth_figure" in outputs:
+        outputs["--depth_figure data"] = os.path.splitext(outputs["--depth_figure"])[0] + ".json"
+    checked = {}
+    try:
+        for flag, path in outputs.items():
+            checked[flag] = check_output(path, writes="file", inputs=runs, flag=flag.split()[0], overwrite=overwrite)
+    except OutputError as err:
+        raise AnalysisError(str(err)) from None
+    for flag, path in checked.items():
+        other = next((f for f, p in checked.items() if p == path and f != flag), None)
+        if other is not None:
+            raise AnalysisError(f"{flag} and {other} name the same file {outputs[flag]}; give each its own")
+    return checked
+
+
 def main(argv):
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
     grouping = _GROUP.value or _JSON.value or _DEPTH_FIGURE.value or _BASELINE.value or flags.FLAGS["seed_pattern"].present
+    wanted = {"--out": _OUT.value, "--json": _JSON.value if grouping else None, "--depth_figure": _DEPTH_FIGURE.value}
     try:
+        runs = expand_paths(argv[1:])
+        outputs = check_outputs(runs, {flag: path for flag, path in wanted.items() if path}, _OVERWRITE.value)
         if grouping:
-            report = group_runs(argv[1:], _SEED_PATTERN.value, _BASELINE.value)
+            report = group_runs(runs, _SEED_PATTERN.value, _BASELINE.value)
             table = grouped_markdown(report)
             for e in report["excluded"]:
                 print(f"warning: {e['run']} excluded from group {e['group']}: {e['reason']}", file=sys.stderr)
-            if _DEPTH_FIGURE.value:
-                plot_depth(report, _DEPTH_FIGURE.value)
+            if "--depth_figure" in outputs:
+                plot_depth(report, outputs["--depth_figure"])
         else:
-            summaries = [run_summary(p) for p in expand_paths(argv[1:])]
+            summaries = [run_summary(p) for p in runs]
             table = compare_summaries(summaries)
             for s in summaries:
                 if s["running"]:
@@ -574,17 +601,19 @@ def main(argv):
     except (AnalysisError, FileNotFoundError, ValueError) as err:
         sys.exit(f"error: {err}")
     print(table)
-    if _OUT.value:
-        write_text_atomic(_OUT.value, table + "\n")
-    if grouping and _JSON.value:
-        write_text_atomic(_JSON.value, json.dumps(report, indent=1))
+    if "--out" in outputs:
+        write_text_atomic(outputs["--out"], table + "\n")
+    if "--json" in outputs:
+        write_text_atomic(outputs["--json"], json.dumps(report, indent=1))
 
 
 def cli() -> None:
     """The command line (`python -m deltares.compare`, `deltares-compare`); flags only here, so modules
     import side by side."""
-    global _OUT, _GROUP, _SEED_PATTERN, _BASELINE, _JSON, _DEPTH_FIGURE
+    global _OUT, _GROUP, _SEED_PATTERN, _BASELINE, _JSON, _DEPTH_FIGURE, _OVERWRITE
     _OUT = flags.DEFINE_string("out", None, "Also write the table to this markdown file.")
+    _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the files that --out, --json and --depth_figure "
+                                   "name when they exist (never a file of a run or a dataset).")
     _GROUP = flags.DEFINE_bool("group", False, "Group runs by name (--seed_pattern): mean ± std per group, "
                                "each against its baseline group.")
     _SEED_PATTERN = flags.DEFINE_string("seed_pattern", SEED_PATTERN, "A run's group is its name without the first "

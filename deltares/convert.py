@@ -12,8 +12,10 @@
 Tensor names and config.json fields: see `deltares.interop.hf`. Every input is checked before
 anything is written. The output is written whole into `<out>.partial` beside `--out` (or
 `--out_workdir`) and renamed into place only when complete, so a failure leaves what was there as it
-was. An output folder that holds anything (a model, a dataset, a run, other files) is refused unless
-`--overwrite` is given, which replaces it whole: nothing of the old folder is kept.
+was. An output folder that holds a model or other files is refused unless `--overwrite` is given, which
+replaces it whole: nothing of the old folder is kept. A run (its own or another), a dataset, a folder
+holding one, an input or a folder around one is never replaced; a link is followed (its target is
+replaced, the link kept).
 
 A run of the `bytes` tokenizer is exported with a byte-level tokenizer.json of the same ids; a run
 whose tokenizer cannot be found (its `bpe:N` dataset is gone) is exported without one, with a warning
@@ -28,6 +30,7 @@ import sys
 import ml_collections
 from absl import app, flags, logging
 
+from deltares.common.outputs import MODEL, check_output
 from deltares.data import paths
 from deltares.data.dataset import TokenData
 from deltares.data.documents import DataError
@@ -109,6 +112,33 @@ def _run_tokenizer(config, workdir: str):
         return None, str(err)
 
 
+def convert_inputs(hf_dir: str | None, checkpoint: str | None, tokenizer: str | None) -> list[str]:
+    """What a conversion reads, for deltares.common.outputs.check_output: the Hugging Face folder or the run
+    (or its step folder), and the tokenizer given."""
+    return [p for p in (hf_dir, checkpoint, tokenizer) if p]
+
+
+def convert(*, hf_dir: str | None = None, checkpoint: str | None = None, out: str | None = None,
+            out_workdir: str | None = None, residual=None, dtype: str = "float32", tokenizer: str | None = None,
+            overwrite: bool = False) -> str:
+    """One conversion of the command line (see the module docstring): where it may write is checked first
+    (deltares.common.outputs: never onto or around an input, a run, a dataset; a model only with
+    `overwrite`); returns the folder written."""
+    inputs = convert_inputs(hf_dir, checkpoint, tokenizer)
+    if out:
+        target = check_output(out, writes="folder", inputs=inputs, replaces=(MODEL,))
+        if checkpoint:
+            paths.write_whole(target, lambda o: workdir_to_hf(checkpoint, o, dtype, tokenizer), overwrite=overwrite,
+                              shown=out)
+        else:
+            paths.write_whole(target, lambda o: hf_to_hf(hf_dir, o, residual, dtype), overwrite=overwrite, shown=out)
+        return out
+    target = check_output(out_workdir, writes="folder", inputs=inputs, flag="--out_workdir")
+    paths.write_whole(target, lambda o: hf_to_workdir(hf_dir, o, residual), overwrite=overwrite,
+                      flag="--out_workdir", shown=out_workdir)
+    return out_workdir
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -116,25 +146,16 @@ def main(argv):
         raise app.UsageError("give exactly one of --hf (a Hugging Face directory) or --checkpoint (a deltares run)")
     if bool(_OUT.value) == bool(_OUT_WORKDIR.value):
         raise app.UsageError("give exactly one of --out (a Hugging Face directory) or --out_workdir (a deltares run)")
+    if _CHECKPOINT.value and (_OUT_WORKDIR.value or _MODE.value):
+        raise app.UsageError("--checkpoint exports to --out as stored; --mode and --out_workdir need --hf")
     try:
-        if _CHECKPOINT.value:
-            if _OUT_WORKDIR.value or _MODE.value:
-                raise app.UsageError("--checkpoint exports to --out as stored; --mode and --out_workdir need --hf")
-            paths.write_whole(_OUT.value, lambda out: workdir_to_hf(_CHECKPOINT.value, out, _DTYPE.value,
-                                                                    _TOKENIZER.value), overwrite=_OVERWRITE.value)
-            print(f"wrote {_OUT.value}")
-            return
-        residual = _residual_request(_MODE.value, _BLOCK_LAYERS.value, _GATE.value, _NULL_SOURCE.value)
-        if _OUT.value:
-            paths.write_whole(_OUT.value, lambda out: hf_to_hf(_HF.value, out, residual, _DTYPE.value),
-                              overwrite=_OVERWRITE.value)
-            print(f"wrote {_OUT.value}")
-        else:
-            paths.write_whole(_OUT_WORKDIR.value, lambda out: hf_to_workdir(_HF.value, out, residual),
-                              overwrite=_OVERWRITE.value, flag="--out_workdir")
-            print(f"wrote {_OUT_WORKDIR.value}/checkpoints/0")
+        residual = None if _CHECKPOINT.value else _residual_request(_MODE.value, _BLOCK_LAYERS.value, _GATE.value,
+                                                                     _NULL_SOURCE.value)
+        written = convert(hf_dir=_HF.value, checkpoint=_CHECKPOINT.value, out=_OUT.value, out_workdir=_OUT_WORKDIR.value,
+                          residual=residual, dtype=_DTYPE.value, tokenizer=_TOKENIZER.value, overwrite=_OVERWRITE.value)
     except (hf.HFError, FileNotFoundError, FileExistsError, ValueError, CheckpointError) as err:
         sys.exit(f"error: {err}")
+    print(f"wrote {written}" + ("/checkpoints/0" if _OUT_WORKDIR.value else ""))
 
 
 def cli() -> None:
@@ -157,7 +178,8 @@ def cli() -> None:
     _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the written tensors.")
     _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) to write with --checkpoint.")
     _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out or --out_workdir whole (the new "
-                                   "output is written beside it and swapped in when complete).")
+                                   "output is written beside it and swapped in when complete); never an input, a "
+                                   "run, a dataset or a folder holding one.")
     command_line.run(main)
 
 

@@ -3,16 +3,17 @@
     python -m deltares.eval --checkpoint runs/demo --data runs/demo/dataset
     python -m deltares.eval --checkpoint runs/demo/checkpoints/300 --data 'books/*.txt.gz'
 
-`--data` is a prepared dataset directory (its validation split is used) or local text
-as `deltares.data.prepare --source` takes it (files, `.gz`, globs, comma-separated),
-read by the same reader (`read_documents`: strict UTF-8, an error names a file that is
-not) and tokenized like prepare does (each document, then end-of-text) with the
-tokenizer of the run's own dataset.
+`--data` is a prepared dataset directory (its validation split is used) or any source
+`deltares.data.prepare --source` takes (text, JSON Lines, Parquet or Arrow files and globs,
+comma-separated, compressed or not; `hf:NAME`; `builtin`), with `--text_field` naming the text of
+records: read by the same reader (`deltares.data.dataset.data_units`, before the checkpoint is
+loaded: a bad source is one error line at once) and tokenized as prepare does (each document,
+then end-of-text) with the tokenizer of the run's own dataset.
 
 Every token is scored once: the stream starts with end-of-text (as every document
 follows one in training), windows of `seq_len` targets in batches, then the remainder.
 Bits per byte divide the total nats by the bytes of exactly that text: each document's
-UTF-8 bytes plus one per end-of-text (`document_bytes`, as in the dataset's meta.json).
+UTF-8 bytes plus one per end-of-text (`piece_bytes`, as in the dataset's meta.json).
 With `--max_batches` only the first batches of the fixed validation windows the trainer
 reports are scored (its val_bpb: the split's mean bytes per token).
 """
@@ -20,7 +21,6 @@ reports are scored (its val_bpb: the split's mean bytes per token).
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import jax
@@ -28,8 +28,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from deltares.data import paths
-from deltares.data.dataset import TokenData, Windows, eval_batches, text_tokens
+from deltares.data.dataset import TokenData, Windows, data_units, eval_batches, prepared_folder, source_tokens
 from deltares.data.documents import DataError
 from deltares.data.run_data import check_token_ids, check_trained_tokenizer, run_dataset_path
 from deltares.nn.model import Transformer
@@ -49,22 +48,22 @@ def every_token_batches(tokens, eos_id: int, seq_len: int, batch: int):
         yield stream[len(windows) * seq_len :][None]
 
 
-def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches: int | None = None) -> dict:
+def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches: int | None = None, *,
+                        text_field: str = "text", hf_config: str | None = None, hf_split: str = "train") -> dict:
     """Loss, perplexity and bits per byte of the checkpoint on `data` (see the module docstring)."""
+    folder = prepared_folder(data)
+    units = None if folder else data_units(data, text_field=text_field, hf_config=hf_config, hf_split=hf_split)
     ckpt = load_checkpoint(checkpoint)
     cfg = ml_collections.ConfigDict(ckpt.config)
-    if os.path.isdir(data) and not os.path.exists(os.path.join(data, "meta.json")):
-        raise DataError(f"{data} is a directory but not a prepared dataset (no meta.json); for text files "
-                        f"pass them or a glob such as '{data}/*.txt'")
-    if os.path.isdir(data) or paths.is_remote(data):  # a prepared dataset, on a disk or a bucket
-        dataset = TokenData(data)
+    if folder:  # a prepared dataset, on a disk or a bucket
+        dataset = TokenData(folder)
         tokens, n_bytes = dataset.tokens("val"), dataset.meta["splits"]["val"]["bytes"]
         where = f"{data} (its validation split)"
         check_trained_tokenizer(dataset, ckpt.dataset, ckpt.config, ckpt.workdir, ckpt.step)
     else:  # tokenized by the run's own dataset's tokenizer, checked to be the one it was trained with
         dataset = TokenData(run_dataset_path(ckpt.config, ckpt.workdir))
         check_trained_tokenizer(dataset, ckpt.dataset, ckpt.config, ckpt.workdir, ckpt.step)
-        tokens, n_bytes = text_tokens(data, dataset.tokenizer())
+        tokens, n_bytes = source_tokens(units, dataset.tokenizer(), text_field)
         where = data
     if dataset.vocab_size > cfg.model.vocab_size:
         raise DataError(f"data vocabulary {dataset.vocab_size} is larger than the model's {cfg.model.vocab_size}")
@@ -89,7 +88,8 @@ def main(argv):
         raise app.UsageError("--checkpoint and --data are required")
     logging.set_verbosity(logging.WARNING)
     try:
-        m = evaluate_checkpoint(_CHECKPOINT.value, _DATA.value, _BATCH.value, _MAX_BATCHES.value)
+        m = evaluate_checkpoint(_CHECKPOINT.value, _DATA.value, _BATCH.value, _MAX_BATCHES.value,
+                                text_field=_TEXT_FIELD.value, hf_config=_HF_CONFIG.value, hf_split=_HF_SPLIT.value)
     except (DataError, FileNotFoundError, ValueError, CheckpointError) as err:
         sys.exit(f"error: {err}")
     print(f"step {m['step']}: loss {m['val_loss']:.4f}  perplexity {m['val_ppl']:.2f}  bits/byte {m['val_bpb']:.4f}")
@@ -98,13 +98,17 @@ def main(argv):
 def cli() -> None:
     """The command line (`python -m deltares.eval`, `deltares-eval`); flags only here, so modules
     import side by side."""
-    global _CHECKPOINT, _DATA, _BATCH, _MAX_BATCHES
+    global _CHECKPOINT, _DATA, _BATCH, _MAX_BATCHES, _TEXT_FIELD, _HF_CONFIG, _HF_SPLIT
     from deltares import command_line
     from deltares.common.domains import AT_LEAST_1, define_number
+    from deltares.data.documents import SOURCE_HELP
 
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, or one checkpoint step directory.")
-    _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or text files, .gz, globs "
-                                "(comma-separated), as prepare's --source.")
+    _DATA = flags.DEFINE_string("data", None, "A prepared dataset directory, or any source prepare's --source "
+                                "takes (files and globs, comma-separated; hf:NAME; builtin).")
+    _TEXT_FIELD = flags.DEFINE_string("text_field", "text", SOURCE_HELP["text_field"])
+    _HF_CONFIG = flags.DEFINE_string("hf_config", None, SOURCE_HELP["hf_config"])
+    _HF_SPLIT = flags.DEFINE_string("hf_split", "train", SOURCE_HELP["hf_split"])
     _BATCH = define_number(flags.DEFINE_integer, "batch", 8, "Sequences per evaluation batch.",
                                         AT_LEAST_1)
     _MAX_BATCHES = define_number(

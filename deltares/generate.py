@@ -28,6 +28,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from deltares.common.domains import AT_LEAST_1, NON_NEGATIVE, Domain, define_number
+from deltares.common.inputs import DataError, resolve_inputs
+from deltares.data import formats
 from deltares.interop.inference import load_model
 from deltares.nn.model import init_cache
 from deltares.training.checkpoint import CheckpointError
@@ -196,23 +198,35 @@ def fit_context(prompts: list[list[int]], context: int) -> tuple[list[list[int]]
     return fitted, warnings
 
 
-def read_prompts(path: str) -> list[str]:
-    """Prompts of a file: in a `.jsonl` file one JSON string (or object with "prompt") per
-    line, so prompts may hold newlines; in any other file one prompt per non-empty line."""
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\r\n") for line in f if line.strip()]
-    if not path.endswith(".jsonl"):
-        return lines
+def read_prompts(spec: str) -> list[str]:
+    """Prompts of the files `spec` names (paths and globs, comma-separated, as every input:
+    deltares.common.inputs), file after file: in a JSON Lines file (named `.jsonl`, `.ndjson` or `.json`) one
+    JSON string (or object with "prompt") per line, so prompts may hold newlines; in any other text file one
+    prompt per non-empty line. Compressed files are read; a byte-order mark is no part of a prompt. DataError
+    naming the file (and line) for a file that is no text, text that is not UTF-8, or a line that is no prompt."""
     prompts = []
-    for n, line in enumerate(lines, 1):
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {n} is not JSON: {err}") from None
-        item = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(item, str):
-            raise ValueError(f'{path} line {n}: need a JSON string or an object with a "prompt" string')
-        prompts.append(item)
+    for path in resolve_inputs(spec, flag="--prompt_file", pipes=True):  # `<(...)` and /dev/stdin too: read once
+        data, fmt = formats.read_whole(path)
+        if fmt.kind not in (formats.TEXT, formats.JSON_LINES):
+            raise DataError(f"--prompt_file {path} is a {fmt} file; prompts are read from text or JSON Lines files")
+        text = formats.decode_text(data, path).replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
+        lines = text.split("\n")
+        if not formats.named_json_lines(path):
+            prompts += [line for line in lines if line.strip()]
+            continue
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {n} is not JSON: {err}") from None
+            item = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(item, str):
+                raise DataError(f'{path} line {n}: need a JSON string or an object with a "prompt" string')
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in item):
+                raise DataError(f"{path} line {n}: the prompt holds a lone surrogate, which is no text")
+            prompts.append(item)
     return prompts
 
 
@@ -257,8 +271,8 @@ def cli() -> None:
 
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run directory, step directory or Hugging Face directory.")
     _PROMPT = flags.DEFINE_multi_string("prompt", None, "The text to continue; give it several times for a batch.")
-    _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Prompts, one per line (a .jsonl file: one JSON string "
-                                       'or {"prompt": ...} per line).')
+    _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "Files of prompts (paths and globs, comma-separated): one "
+                                       'per line (a .jsonl file: one JSON string or {"prompt": ...} per line).')
     integer = functools.partial(define_number, flags.DEFINE_integer)
     number = functools.partial(define_number, flags.DEFINE_float)
     _MAX_NEW = integer("max_new_tokens", 100, "Tokens to generate at most.", REQUEST_DOMAINS["max_new_tokens"])

@@ -6,9 +6,9 @@
     python -m deltares.train --config experiments/s7b6.py:delta_block --config.data.dataset=DATA --dry_run
 
 Resumes automatically from the newest checkpoint in `--workdir`. SIGTERM or SIGINT
-saves a checkpoint and exits cleanly (with several processes, SIGTERM to any one: all save
-the same step, see `StopRequest`); a resumed run continues with exactly the
-losses an uninterrupted one would have had (data order included). Writes
+saves a checkpoint and exits cleanly, with status 0 or `--stopped_exit_code` (with several
+processes, SIGTERM to any one: all save the same step, see `StopRequest`); a resumed run
+continues with exactly the losses an uninterrupted one would have had (data order included). Writes
 `metrics.jsonl`, TensorBoard events and checkpoints into the workdir. `--dry_run` checks a
 command without training (see `dry_run`): nothing is read, allocated or written.
 """
@@ -743,6 +743,8 @@ def main(argv):
         result = train(_CONFIG.value, _WORKDIR.value)
     except (TrainError, DataError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
+    if result.get("stopped"):
+        sys.exit(_STOPPED_EXIT_CODE.value)
     if "val_ppl" in result and "unigram_ppl" in result and jax.process_index() == 0:
         print(
             f"step {result['step']}: validation loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}, "
@@ -753,13 +755,17 @@ def main(argv):
 def cli() -> None:
     """The command line (`python -m deltares.train`, `deltares-train`); flags only here, so modules
     import side by side."""
-    global _CONFIG, _WORKDIR, _DRY_RUN, _HELPCONFIG
+    global _CONFIG, _WORKDIR, _DRY_RUN, _HELPCONFIG, _STOPPED_EXIT_CODE
     _CONFIG = config_flags.DEFINE_config_file(
         "config", None, "Experiment file, e.g. experiments/tiny.py:delta_block (or a shipped one by name: tiny:delta_block)."
     )
     _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, TensorBoard events.")
     _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config and build one abstract train step; no run.")
     _HELPCONFIG = flags.DEFINE_bool("helpconfig", False, "List every config field (type, default, allowed values, help).")
+    _STOPPED_EXIT_CODE = flags.DEFINE_integer(
+        "stopped_exit_code", 0, "Exit status after a signal stopped the run before its last step and it saved that step "
+        "(a finished run exits 0): launch/slurm.sh's job passes 75 and requeues itself when it sees it.",
+        lower_bound=0, upper_bound=255)
     from deltares import command_line
 
     command_line.run(main, config_fields=field_names)

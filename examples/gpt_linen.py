@@ -3,6 +3,9 @@
     python -m examples.gpt_linen        # from the repository root: a few training steps on Moby-Dick,
                                         # then a few tokens generated with the KV cache
 
+It needs the `train` extra (`pip install ".[train]"`: the data pipeline and the optimizer), and
+without it ends with one `error:` line naming what is missing, as the tools do.
+
 Attention and MLP are this file's own; deltares supplies only the routing: `DepthStack` stacks
 the two sublayers `n_layers` times (parameters on a leading layer axis, one `DepthRouter` per
 sublayer, the store-once backward pass). The blocks are Qwen3-like (pre-norm RMSNorm, attention
@@ -19,15 +22,19 @@ import functools
 import os
 import tempfile
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import optax
+import deltares
 
-from deltares.data.dataset import TokenData, train_dataset
-from deltares.data.documents import BUILTIN
-from deltares.data.prepare import prepare
-from deltares.nn import BLOCK_MODES, DepthRouting, DepthStack
+deltares.require_train("examples/gpt_linen.py (its data pipeline and optimizer) needs")  # the `train` extra
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from deltares.data.dataset import TokenData, train_dataset  # noqa: E402
+from deltares.data.documents import BUILTIN  # noqa: E402
+from deltares.data.prepare import prepare  # noqa: E402
+from deltares.nn import BLOCK_MODES, DepthRouting, DepthStack  # noqa: E402
 
 init = nn.initializers.normal(stddev=0.02)
 

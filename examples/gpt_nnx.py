@@ -2,6 +2,8 @@
 
     python -m examples.gpt_nnx          # from the repository root: a few training steps on Moby-Dick
 
+It needs the `train` extra (`pip install ".[train]"`), and without it ends with one `error:` line.
+
 The same architecture and configuration as the linen example; deltares supplies the NNX
 `DepthStack` (the two sublayers created `n_layers` times with their state stacked, one
 `DepthRouter` per sublayer, named and initialised as the linen one, the store-once backward pass).
@@ -12,13 +14,17 @@ from __future__ import annotations
 import os
 import tempfile
 
-import jax
-import jax.numpy as jnp
-import optax
-from flax import nnx
+import deltares
 
-from deltares.nn.nnx import DepthStack
-from examples.gpt_linen import GPTConfig, builtin_batches, loss_fn, rms_norm, rope
+deltares.require_train("examples/gpt_nnx.py (its data pipeline and optimizer) needs")  # the `train` extra
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from deltares.nn.nnx import DepthStack  # noqa: E402
+from examples.gpt_linen import GPTConfig, builtin_batches, loss_fn, rms_norm, rope  # noqa: E402
 
 init = nnx.initializers.normal(stddev=0.02)
 

@@ -2,8 +2,9 @@
 
     from kernels_pallas.depth_route import depth_route
 
-Each kernel's public entry point takes `implementation=` ("xla", "pallas_tpu", "pallas_gpu",
-"pallas" = the target platform's kernel) and falls back to the XLA reference when a kernel cannot run.
+Each kernel's public entry point takes `implementation=` ("xla", "pallas_tpu", "pallas_gpu" (Triton),
+"pallas_mosaic_gpu", "pallas" = the target platform's kernel) and falls back to the XLA reference when a
+kernel cannot run.
 
 The package stands alone: it imports jax, never deltares (each kernel's oracle is its own
 reference.py; deltares' tests hold it to deltares' routing). Only the benchmark's train-step table

@@ -24,8 +24,8 @@ TINY_HF = os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny")  # a tiny Qwen3 
 # file runs whole on one worker (`pytest_xdist_make_scheduler`), in this order: a file's module fixtures
 # (a subprocess of minutes in several) run once, and no long file starts last.
 LONGEST_FIRST = ("test_documented_commands.py", "test_sharding.py", "test_model.py", "test_depth_route_kernel.py",
-                 "test_generate.py", "test_train.py", "test_depth.py", "test_two_phase.py", "test_own_model.py",
-                 "test_hf.py", "test_aot.py", "test_faults.py", "test_multihost.py", "test_aot_gpu.py", "test_harness.py")
+                 "test_generate.py", "test_train.py", "test_depth.py", "test_two_phase.py", "test_slurm.py",
+                 "test_own_model.py", "test_hf.py", "test_aot.py", "test_faults.py", "test_multihost.py", "test_aot_gpu.py", "test_harness.py")
 
 
 def pytest_collection_modifyitems(config, items):

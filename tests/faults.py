@@ -1,6 +1,6 @@
-"""Fault injection against debug runs: every fault of issue 22, with what each ended in, as a table.
+"""Fault injection against debug runs: every fault of issues 22, 41 and 48, with what each ended in, as a table.
 
-    python tests/faults.py                 # all faults (about 6 minutes on 2 CPU cores)
+    python tests/faults.py                 # all faults (about 20 minutes on 2 CPU cores)
     python tests/faults.py --only kill     # those whose name holds "kill"
     python tests/faults.py --out faults.md
 
@@ -509,6 +509,7 @@ def run_directory(bench):
     rows.append(row("compare of a run being written", found[0], "n/a" if marked else "NO (not marked)"))
     return rows
 
+
 # issue 48: nothing written through a path that no longer leads to the run
 
 
@@ -567,6 +568,227 @@ def taken_away(bench):
     return rows
 
 
+# issue 48: outputs never land on inputs; one writer per output; workers end with their parent
+
+
+def outputs_and_writers(bench):
+    """Outputs onto inputs, runs, datasets and models through every command that writes (refused, nothing
+    changed), --overwrite through a link (the target replaced whole), two prepares into one --out at once,
+    a resume after its source changed, and prepare's workers when it is killed or interrupted."""
+    from test_data import make_docs, write_corpus
+
+    root = bench.dir("outputs")
+    os.makedirs(root)
+    sources = []
+    for i in range(2):
+        sources.append(os.path.join(root, "src", f"s{i}.txt"))
+        os.makedirs(os.path.dirname(sources[-1]), exist_ok=True)
+        write_corpus(sources[-1], make_docs(200, i, f"s{i}"))
+    run_copy, data_copy = bench.finished_copy("outputs_run"), dataset_copy(bench, "outputs_data")
+    existing = os.path.join(root, "table.md")
+    open(existing, "w").write("a table of before")
+
+    def prep(source, out, *extra):
+        return module_cmd("deltares.data.prepare", "--source", source, "--tokenizer", "bytes", "--val_fraction",
+                          "0.2", "--out", out, *extra)
+
+    cases = [
+        ("prepare --out contains its source, --overwrite", prep(sources[0], os.path.join(root, "src"), "--overwrite")),
+        ("prepare --out onto a run, --overwrite", prep(sources[0], run_copy, "--overwrite")),
+        ("prepare --out inside a dataset", prep(sources[0], os.path.join(data_copy, "train", "x"))),
+        ("convert --out onto its own run, --overwrite", module_cmd("deltares.convert", "--checkpoint", run_copy, "--out",
+                                                                   run_copy, "--overwrite")),
+        ("convert --out onto a dataset, --overwrite", module_cmd("deltares.convert", "--checkpoint", run_copy, "--out",
+                                                                 data_copy, "--overwrite")),
+        ("compare --out onto a run's metrics.jsonl, --overwrite", module_cmd(
+            "deltares.compare", run_copy, "--out", os.path.join(run_copy, "metrics.jsonl"), "--overwrite")),
+        ("compare --out onto a file that exists", module_cmd("deltares.compare", run_copy, "--out", existing)),
+        ("analyze --out onto a dataset", module_cmd("deltares.analyze", "--workdir", run_copy, "--out", data_copy)),
+        ("train --workdir inside a dataset", bench.cmd(os.path.join(data_copy, "run"))),
+    ]
+    before = tree_digest(bench.root)
+    rows = [row(name, run(cmd)) for name, cmd in cases]
+    changed = sorted(set(before.items()) ^ set(tree_digest(bench.root).items()))
+    for r in rows:
+        r["lost"] = "no" if not changed else f"YES ({len(changed)} files changed)"
+
+    target = os.path.join(root, "target")
+    prepare_run = run(prep(sources[1], target))
+    os.symlink(target, os.path.join(root, "link"))
+    proc = run(prep(sources[0], os.path.join(root, "link"), "--overwrite"))
+    meta = json.load(open(os.path.join(target, "meta.json"))) if prepare_run.returncode == 0 else {}
+    whole = meta.get("source") == sources[0] and os.path.islink(os.path.join(root, "link")) and not any(
+        n.endswith((".partial", ".lock")) or ".old-" in n for n in os.listdir(root))
+    rows.append(row("prepare --overwrite through a link", proc, "yes" if whole else "NO (target not replaced whole)"))
+
+    out = os.path.join(root, "two")
+    procs = [subprocess.Popen(module_cmd("deltares.data.prepare", "--source", source, "--tokenizer", "bpe:400",
+                                         "--val_fraction", "0.2", "--out", out), cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for source in sources]
+    done = [subprocess.CompletedProcess(p.args, p.wait(), *p.communicate()) for p in procs]
+    ok = [p for p in done if p.returncode == 0]
+    meta = json.load(open(os.path.join(out, "meta.json"))) if os.path.exists(os.path.join(out, "meta.json")) else {}
+    winner = [src for src, p in zip(sources, done) if p.returncode == 0]
+    rows.append(row("two prepares of different sources into one --out", next((p for p in done if p.returncode), done[0]),
+                    "n/a", "no" if len(ok) == 1 and meta.get("source") == winner[0] else
+                    f"YES ({len(ok)} succeeded)"))
+
+    resumed = os.path.join(root, "resumed")
+    run(prep(",".join(sources), resumed))
+    with open(sources[0], "a", encoding="utf-8") as f:
+        f.write("\n\nA document written after the unit was tokenized.\n")
+    proc = run(prep(",".join(sources), resumed))
+    fresh = os.path.join(root, "fresh")
+    run(prep(",".join(sources), fresh))
+    same = json.load(open(os.path.join(resumed, "meta.json"))) == json.load(open(os.path.join(fresh, "meta.json")))
+    rows.append(row("prepare rerun after a source changed", proc, "yes" if same else "NO (not the fresh dataset)"))
+
+    with open(os.path.join(root, "long.txt"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(make_docs(40000, 9, "long")))
+    shutil.copy(os.path.join(root, "long.txt"), os.path.join(root, "long2.txt"))
+    long_source = os.path.join(root, "long*.txt")
+    for name, sig, moment in (("prepare killed (SIGKILL) while its workers work", signal.SIGKILL, "working"),
+                              ("Ctrl-C while prepare's workers start", signal.SIGINT, "starting")):
+        started = ti.Started(module_cmd("deltares.data.prepare", "--source", long_source, "--tokenizer", "gpt2",
+                                        "--out", bench.dir(slug(name)), "--workers", "2"), start_new_session=True)
+        pid = started.proc.pid
+        set_up = lambda w: ti.signal_set(w, "SigIgn") & ti.SIGINT_BIT  # noqa: E731
+        started.wait_for(lambda: ti.workers_of(pid) and (all(map(set_up, ti.workers_of(pid))) if moment == "working"
+                                                        else not all(map(set_up, ti.workers_of(pid)))), moment)
+        workers = ti.workers_of(pid)
+        os.killpg(pid, sig) if sig == signal.SIGINT else started.proc.kill()
+        proc = started.finish()
+        left = ti.gone_soon(workers)
+        # after a SIGKILL nothing of prepare runs: multiprocessing's resource tracker unlinks the pool's
+        # semaphores, and says so; an interrupt leaves it nothing
+        noise = sig != signal.SIGKILL and ("leaked" in proc.stderr or "resource_tracker" in proc.stderr)
+        rows.append(row(name, proc, "yes" if not left and not noise else
+                        f"NO ({len(left)} workers left{', a leaked-resource warning' if noise else ''})"))
+    return rows
+
+
+# issue 48: naming inputs
+
+
+def inputs(bench):
+    """Every class of naming what a command reads (tests/test_inputs.py walks the same classes in process),
+    through each command's real command line: a path with glob characters, a glob that matches nothing
+    (alone and in a list), a file named twice, overlapping globs, a symlink to a named file, a symlink loop,
+    a folder where a file is expected (a file where a folder is), a trailing comma. Recovered: what a command
+    that succeeded read is what was named, each file once (prepare's document count; eval's and analyze's
+    figures equal to those of naming each file once; generate's prompts; a run that trains). Lost: the
+    inputs changed."""
+    import concurrent.futures
+
+    from test_inputs import inputs_digest
+
+    root = bench.dir("inputs")
+    files, odd, sets, configs = (os.path.join(root, name) for name in ("files", "odd", "datasets", "configs"))
+    for folder in (files, odd, os.path.join(odd, "sub"), sets, configs):
+        os.makedirs(folder)
+    docs = {name: [f"{name[0]} document {i}: call me Ishmael, {i} years ago" for i in range(30)]
+            for name in ("a.txt", "b.txt", "data[1].txt")}
+    for name, texts in docs.items():
+        open(os.path.join(files, name), "w").write("\n\n".join(texts) + "\n")
+    os.symlink("../files/a.txt", os.path.join(odd, "link.txt"))
+    os.symlink("loop.txt", os.path.join(odd, "loop.txt"))
+    open(os.path.join(odd, "sub", "c.txt"), "w").write("inside\n")
+    for name in ("ds_a", "ds[1]"):
+        shutil.copytree(bench.data, os.path.join(sets, name))
+    os.symlink("ds_a", os.path.join(sets, "ds_link"))
+    os.symlink("ds_loop", os.path.join(sets, "ds_loop"))
+    open(os.path.join(sets, "plain.txt"), "w").write("not a dataset\n")
+    shutil.copy(DEBUG, os.path.join(configs, "exp[1].py"))
+    os.symlink("exp[1].py", os.path.join(configs, "link.py"))
+    os.symlink("loop.py", os.path.join(configs, "loop.py"))
+    f, o, d, c = (lambda *names, at=at: ",".join(os.path.join(at, n) for n in names) for at in (files, odd, sets, configs))
+    a_b_data = docs["a.txt"] + docs["b.txt"] + docs["data[1].txt"]
+    file_classes = [  # class, spec, what it reads (None: an error)
+        ("literal with glob characters", f("data[1].txt"), docs["data[1].txt"]),
+        ("dead glob alone", f("nothing*.txt"), None), ("dead glob in a list", f("a.txt", "nothing*.txt"), None),
+        ("duplicate", f("a.txt", "a.txt"), docs["a.txt"]), ("overlap", f("*.txt", "a*"), a_b_data),
+        ("symlink to a listed file", f("a.txt") + "," + o("link.txt"), docs["a.txt"]),
+        ("symlink loop", o("loop.txt"), None), ("folder", o("sub"), None), ("trailing comma", f("a.txt") + ",", None)]
+    mixture_classes = [  # a mixture: only the first reads (a dataset named twice is refused)
+        ("literal with glob characters", d("ds[1]") + "=1," + d("ds_a") + "=1", True),
+        ("dead glob alone", d("nothing*") + "=1," + d("ds_a") + "=1", None),
+        ("dead glob in a list", d("ds_a") + "=1," + d("nothing*") + "=1", None),
+        ("duplicate", d("ds_a") + "=1," + d("ds_a") + "=1", None),
+        ("overlap", d("ds*") + "=1," + d("ds_a") + "=1", None),
+        ("symlink to a listed folder", d("ds_a") + "=1," + d("ds_link") + "=1", None),
+        ("symlink loop", d("ds_loop") + "=1," + d("ds_a") + "=1", None),
+        ("file where a folder is expected", d("plain.txt") + "=1," + d("ds_a") + "=1", None),
+        ("trailing comma", d("ds_a") + "=1," + d("ds[1]") + "=1,", None)]
+    dataset_classes = [  # one folder
+        ("literal with glob characters", d("ds[1]"), True), ("dead glob alone", d("nothing*"), None),
+        ("dead glob in a list", d("ds_a", "nothing*"), None), ("duplicate", d("ds_a", "ds_a"), None),
+        ("overlap", d("ds*"), None), ("symlink", d("ds_link"), True), ("symlink loop", d("ds_loop"), None),
+        ("file where a folder is expected", d("plain.txt"), None), ("trailing comma", d("ds_a") + ",", None)]
+    config_classes = [("literal with glob characters", c("exp[1].py"), True), ("dead glob alone", c("nothing*.py"), None),
+                      ("dead glob in a list", c("exp[1].py", "nothing*.py"), None),
+                      ("duplicate", c("exp[1].py", "exp[1].py"), None), ("symlink", c("link.py"), True),
+                      ("symlink loop", c("loop.py"), None), ("folder", configs, None),
+                      ("trailing comma", c("exp[1].py") + ",", None)]
+    out = lambda name: bench.dir(f"inputs_out_{slug(name)}")  # noqa: E731
+    short = ("--config.train.steps=2", "--config.train.eval_every=2", "--config.train.checkpoint_every=2")
+    meta_documents = lambda proc, n: sum(json.load(open(os.path.join(out(n), "meta.json")))["splits"][s]["documents"]  # noqa: E731
+                                         for s in ("train", "val"))
+    commands = {  # command: (its command line for a spec, a job name), its classes, what its output says it read
+        "prepare --source": (lambda spec, n: module_cmd("deltares.data.prepare", "--source", spec, "--tokenizer", "bytes",
+                                                        "--val_fraction", "0.3", "--out", out(n)),
+                             file_classes, meta_documents),
+        "eval --data": (lambda spec, n: module_cmd("deltares.eval", "--checkpoint", bench.reference, "--data", spec),
+                        file_classes, lambda proc, n: proc.stdout.strip()),
+        "analyze --data": (lambda spec, n: module_cmd("deltares.analyze", "--checkpoint", bench.reference, "--data", spec,
+                                                      "--out", out(n), "--max_batches", "1", "--batch", "1"),
+                           file_classes, lambda proc, n: json.load(open(os.path.join(out(n), "routing.json")))["runs"][0][
+                               "tokens"]),
+        "generate --prompt_file": (lambda spec, n: module_cmd("deltares.generate", "--checkpoint", bench.reference,
+                                                              "--prompt_file", spec, "--max_new_tokens", "1",
+                                                              "--temperature", "0"),
+                                   file_classes, lambda proc, n: proc.stdout.count("--- prompt ")),
+        "config.data.mixture": (lambda spec, n: module_cmd("deltares.train", "--config", DEBUG, "--workdir", out(n),
+                                                           f"--config.data.mixture={spec}", *short), mixture_classes,
+                                lambda proc, n: True),
+        "config.data.dataset": (lambda spec, n: module_cmd("deltares.train", "--config", DEBUG, "--workdir", out(n),
+                                                           f"--config.data.dataset={spec}", *short), dataset_classes,
+                                lambda proc, n: True),
+        "--config": (lambda spec, n: module_cmd("deltares.train", "--config", spec, "--workdir", out(n), "--dry_run"),
+                     config_classes, lambda proc, n: True),
+    }
+    # What a command that read what was named, each file once, says: prepare its documents, generate its prompts;
+    # eval and analyze what they say of the same files named plainly, once each; the trainer only that it ran.
+    plain = {tuple(docs["data[1].txt"]): f("data[1].txt"), tuple(docs["a.txt"]): f("a.txt"),
+             tuple(a_b_data): f("a.txt", "b.txt", "data[1].txt")}
+    jobs = [(f"inputs: {command}: {name}", command, spec, want) for command, (_, classes, _) in commands.items()
+            for name, spec, want in classes]
+    jobs += [(f"plain {command} {spec}", command, spec, None) for command in ("eval --data", "analyze --data")
+             for spec in plain.values()]
+    before = inputs_digest(root)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        procs = dict(zip([j[0] for j in jobs], pool.map(
+            lambda job: run(commands[job[1]][0](job[2], job[0]), timeout=600), jobs)))
+    rows = []
+    for fault, command, spec, want in jobs:
+        if fault.startswith("plain "):
+            continue
+        proc, said_of = procs[fault], commands[command][2]
+        recovered = "n/a"
+        if want is not None:
+            if command in ("eval --data", "analyze --data"):
+                name = f"plain {command} {plain[tuple(want)]}"
+                wanted = said_of(procs[name], name) if procs[name].returncode == 0 else "the plain run failed"
+            else:
+                wanted = len(want) if isinstance(want, list) else True
+            try:
+                got = said_of(proc, fault) if proc.returncode == 0 else f"exit {proc.returncode}"
+            except (OSError, ValueError, KeyError) as err:
+                got = f"unreadable: {err}"
+            recovered = "yes" if got == wanted else f"NO (got {str(got)[:60]!r}, want {str(wanted)[:60]!r})"
+        rows.append(row(fault, proc, recovered, unchanged(before, inputs_digest(root))))
+    return rows
+
+
 FAULTS = {
     "sigterm during training": lambda b: interrupted(b, "sigterm during training", signal.SIGTERM),
     "sigkill during training": lambda b: interrupted(b, "sigkill during training", signal.SIGKILL),
@@ -605,6 +827,10 @@ FAULTS = {
     "argument domains": argument_domains,
     # issue 41: the run directory while a run writes it
     "run directory": run_directory,
+    # issue 48: outputs never land on inputs, one writer per output, workers end with their parent
+    "outputs and writers": outputs_and_writers,
+    # issue 48: naming inputs
+    "inputs": inputs,
 }
 
 

@@ -6,7 +6,10 @@ The trainer's own `__main__` runs unchanged (flags, `initialize_distributed` fro
 rows of every batch the loop takes from the data iterator (one `next` per step) and the step of
 every checkpoint save; with them the process's index and count, and whether it joined a cluster.
 `$DELTARES_TEST_STEP_SLEEP` seconds of sleep per step keep the run going long enough for a signal
-to land mid-run.
+to land mid-run. In a SLURM job (tests/test_slurm.py) `{process}` and `{restart}` in the record's
+path become the task's `SLURM_PROCID` and the job's `SLURM_RESTART_COUNT`, the sleep may be a list
+with one value per restart (the last one for later restarts), and the record also holds what SLURM
+gave the task: its CPUs (the process's CPU affinity) and SLURM's CPU and memory variables.
 """
 
 import atexit
@@ -26,8 +29,11 @@ sys.path.insert(0, ROOT)
 from deltares.training import checkpoint  # noqa: E402
 from deltares.data import dataset  # noqa: E402
 
-RECORD = os.environ["DELTARES_TEST_RECORD"]
-SLEEP = float(os.environ.get("DELTARES_TEST_STEP_SLEEP", "0"))
+RESTART = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+RECORD = os.environ["DELTARES_TEST_RECORD"].format(process=os.environ.get("SLURM_PROCID", "0"), restart=RESTART)
+SLEEPS = [float(s) for s in os.environ.get("DELTARES_TEST_STEP_SLEEP", "0").split(",")]
+SLEEP = SLEEPS[min(RESTART, len(SLEEPS) - 1)]
+SLURM = ("SLURM_CPUS_ON_NODE", "SLURM_JOB_CPUS_PER_NODE", "SLURM_MEM_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST")
 rows, saves = [], []
 
 
@@ -67,7 +73,8 @@ def dump():
     np.save(RECORD + ".npy", np.stack(rows) if rows else np.zeros((0, 0, 0), np.int32))
     with open(RECORD + ".json", "w") as f:
         json.dump({"saves": saves, "steps": len(rows), "process": [jax.process_index(), jax.process_count()],
-                   "distributed": distributed.global_state.client is not None}, f)
+                   "distributed": distributed.global_state.client is not None,
+                   "cpus": len(os.sched_getaffinity(0)), "slurm": {k: os.environ.get(k) for k in SLURM}}, f)
 
 
 dataset.train_iterator = recording_iterator  # `deltares.train` imports both names when it runs below

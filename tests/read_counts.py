@@ -42,11 +42,11 @@ def install(path: str, patch=setattr) -> None:
     patch(prepare, "_worker_init", _worker_init)
 
 
-def _worker_init(threads: int) -> None:
+def _worker_init(*args) -> None:
     """A spawned worker of prepare: its own initialization, then counting (the parent's patches are not inherited)."""
     from deltares.data import prepare
 
-    prepare._worker_init(threads)
+    prepare._worker_init(*args)
     install(os.environ[ENV])
 
 

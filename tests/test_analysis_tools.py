@@ -7,6 +7,7 @@ module. Compiled executables are cached on disk as in test_train.py (`DELTARES_T
 debug recipe unchanged, the train steps are the ones test_train.py and the benchmark compile.
 """
 
+import gzip
 import json
 import math
 import os
@@ -235,9 +236,10 @@ def test_compare_table_matches_eval(runs, dataset, tmp_path):
 # ----------------------------------------------------------------------------- bench
 
 
-def test_bench_rows_per_mode():
+def test_bench_rows_per_mode(tmp_path):
+    jsonl = tmp_path / "rows.jsonl"
     proc = run("deltares.bench", "--config", os.path.join(ROOT, "experiments", "debug.py"), "--steps", "1",
-               "--rounds", "1", "--modes", "delta_block,baseline")
+               "--rounds", "1", "--modes", "delta_block,baseline", "--jsonl", str(jsonl))
     assert proc.returncode == 0, describe(proc)
     rows = {}
     for line in proc.stdout.splitlines():
@@ -251,6 +253,62 @@ def test_bench_rows_per_mode():
         assert float(ms) > 0 and float(tok_s.replace(",", "")) > 0 and ratio.endswith("x") and mfu.endswith("%")
         assert float(compile_s) >= 0 and float(args_mib) > 0 and float(temp_mib) > 0
     assert "batch=4 seq=32" in proc.stdout  # the config's batch and length by default
+    recorded = [json.loads(line) for line in jsonl.read_text().splitlines()]  # each printed row, as JSON
+    assert [r["mode"] for r in recorded] == ["baseline", "delta_block"] and {r["what"] for r in recorded} == {"timing"}
+    for r in recorded:
+        assert f"{r['median_ms']:.1f}" == rows[r["mode"]][1] and f"{r['compile_s']:.1f}" == rows[r["mode"]][5]
+        assert (r["scale"], r["n_layers"], r["tokens_per_step"], r["hlo"]) == ("debug", 3, 4 * 32, None)
+        assert len(r["step_ms"]) == 1 and r["device_kind"] == "cpu"
+
+
+def test_bench_one_mode_at_a_time_keeps_each_program(tmp_path, monkeypatch):
+    """--sequential: a mode's figures are known (and recorded) before the next mode is compiled, and its state
+    is dropped first; --save_dir keeps each compiled program's optimized HLO, which the GPU model's reader
+    parses; --profile_steps adds the profiled kernels (none on a CPU: no GPU streams) and keeps the trace."""
+    from deltares import bench
+    from deltares.training import hlo_kernels
+
+    events = []
+    prepare = bench._prepare
+    monkeypatch.setattr(bench, "_prepare", lambda cfg, *a: events.append(("compile", cfg.model.residual.mode))
+                        or prepare(cfg, *a))
+    cfg = debug_config("delta_block")
+    results = bench.benchmark(cfg, ["baseline", "delta_block"], 2, 16, 1, 2, sequential=True,
+                              save_dir=str(tmp_path), profile_steps=1,
+                              on_mode=lambda mode, r: events.append(("figures", mode, r.kernels is not None)))
+    assert events == [("compile", "baseline"), ("figures", "baseline", False), ("figures", "baseline", True),
+                      ("compile", "delta_block"), ("figures", "delta_block", False), ("figures", "delta_block", True)]
+    assert [len(r.step_s) for r in results.values()] == [2, 2] and results["delta_block"].kernels == []
+    for mode in ("baseline", "delta_block"):
+        with gzip.open(tmp_path / f"{mode}.hlo.gz", "rt") as f:
+            module = hlo_kernels.parse_module(f.read())
+        assert module.entry and len(module.computations) > 1
+        assert (tmp_path / f"{mode}.trace.json.gz").stat().st_size > 0
+    assert bench.modes_to_time(["delta", "baseline", "delta"]) == ["baseline", "delta"]
+    assert bench.modes_to_time(["delta"], baseline=False) == ["delta"]
+    assert bench.modes_to_time(["baseline"], baseline=False) == ["baseline"]
+    with pytest.raises(bench.BenchError, match="--nobaseline needs --modes"):
+        bench.modes_to_time([], baseline=False)
+
+
+def test_profile_kernels_sum_each_gpu_kernel_per_step():
+    """A trace in the profiler's form: kernels on a GPU's streams, named by their HLO instruction where the
+    trace says; the derived lines (XLA Ops) and the host are not counted twice."""
+    from deltares.bench import profile_kernels
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "XLA Ops"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "fusion.3", "dur": 500.0},
+        *[{"ph": "X", "pid": 2, "tid": 7, "name": "loop_add_fusion_3", "dur": 10.0, "args": {"hlo_op": "fusion.3"}}
+          for _ in range(4)],
+        {"ph": "X", "pid": 2, "tid": 7, "name": "sm90_xmma_gemm", "dur": 30.0},
+        {"ph": "X", "pid": 2, "tid": 9, "name": "fusion.3", "dur": 40.0},
+    ]}
+    assert profile_kernels(trace, steps=2) == [["fusion.3", 2.0, 20.0], ["sm90_xmma_gemm", 0.5, 15.0]]
+    assert profile_kernels({"traceEvents": trace["traceEvents"][:1]}) == []
 
 
 # ----------------------------------------------------------------------------- bad input

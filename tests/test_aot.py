@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from deltares import aot
+from deltares.training.compile_only import parse_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -228,11 +229,11 @@ def test_parse_oom_reads_both_compiler_messages():
 
 
 def test_parse_topology():
-    assert aot.parse_topology("v5p:2x2x2") == ("v5p", (2, 2, 2))
-    assert aot.parse_topology("v6e:8x8") == ("v6e", (8, 8))
+    assert parse_topology("v5p:2x2x2") == ("v5p", (2, 2, 2))
+    assert parse_topology("v6e:8x8") == ("v6e", (8, 8))
     for bad in ("v5p", "v5p-16", "v5p:2x", ""):
         with pytest.raises(aot.AotError):
-            aot.parse_topology(bad)
+            parse_topology(bad)
 
 
 def test_jaxpr_flops_counts_scans_and_grads():

@@ -7,8 +7,11 @@ plugin is never registered in the test process beside its CPU backend (and the T
 tests/test_aot.py). A compile of the debug train step takes about 12 s here.
 """
 
+import glob
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -19,7 +22,8 @@ from deltares.training import gpu_aot
 from tests.jax_cache import ENV, ROOT, run_module
 
 TRITON_CALL = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas Triton kernel in jax 0.10 (a Mosaic GPU
-# kernel, the other Pallas GPU backend, is a different custom call)
+# kernel, the other Pallas GPU backend, is a different custom call: MOSAIC_CALL)
+MOSAIC_CALL = re.compile(r'custom_call_target="mosaic_gpu(_v2)?"')
 
 
 def _compiler_installed() -> bool:
@@ -56,9 +60,11 @@ COMPILES = """if True:
         cfg.model.remat = "full" if group else cfg.model.remat  # two-phase routing: the store-once pass
         if label == "auto_bf16":  # the defaults: "auto" attention (cuDNN in bf16 on a GPU) and "auto" routing
             cfg.model.dtype, cfg.model.attention = "bfloat16", "auto"
+        texts.clear()
         report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block",
-                             gpu="h100:2" if label == "fsdp2" else "h100", estimate=label not in ("two_phase", "fsdp2"))
-        hlo = texts.pop()  # the compiled train step (an out-of-memory report would have none)
+                             gpu="h100:2" if label == "fsdp2" else "h100", estimate=label not in ("two_phase", "fsdp2"),
+                             vs_baseline=label == "xla")  # baseline compiled after it, for the ratio
+        hlo = texts[0]  # the compiled train step (an out-of-memory report would have none)
         lines = [line for line in hlo.splitlines() if sys.argv[1] in line]
         prefix_calls = sum("depth_route_prefix" in line for line in lines)  # phase one's K-query kernels
         cudnn_calls = hlo.count('custom_call_target="__cudnn$fmha')
@@ -75,8 +81,8 @@ def h100_compiles():
     """{impl: (report, Triton kernel calls in the optimized HLO, those of phase one's kernels, cuDNN attention
     calls)} for impl pallas and xla, "two_phase" (pallas, residual.group_layers=2, remat full),
     "auto_bf16" (the "auto" routing and attention in bf16) and "fsdp2" (xla, on 2 H100s); with the GPU
-    step-time estimate but for "two_phase" and "fsdp2". Each report holds `hlo_collectives`: how often
-    the names of the collectives stand in the compiled program's HLO."""
+    step-time estimate but for "two_phase" and "fsdp2", and for "xla" baseline's too (the ratio to it). Each
+    report holds `hlo_collectives`: how often the names of the collectives stand in the compiled program's HLO."""
     proc = subprocess.run([sys.executable, "-c", COMPILES, TRITON_CALL], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -181,6 +187,25 @@ def test_the_reported_flops_count_cudnn_attention(h100_compiles):
     assert report["routing_impl"] == "auto" and h100_compiles["pallas"][0]["routing_impl"] == "pallas"
     assert report["flops_per_step"] - h100_compiles["pallas"][0]["flops_per_step"] == L * (3.5 * 2 - 12) * B * H * T * T * D
     assert report["estimate"]["by_kind"]["attention (cuDNN)"]["flops"] == L * 3.5 * forward  # the compiled calls
+
+
+@needs_cuda_compiler
+def test_gpu_estimate_of_a_routed_mode_states_its_ratio_and_band(h100_compiles):
+    """A routed mode's estimate compiles baseline's step too: the ratio of the two estimates, and the band the
+    model's error on the cost over baseline (gpu_step_time.CALIBRATION.overhead_error) puts on it."""
+    from deltares.training.gpu_step_time import CALIBRATION
+
+    report = h100_compiles["xla"][0]
+    e = report["estimate"]
+    v = e["vs_baseline"]
+    assert 0 < v["baseline_seconds"] < e["seconds"] and v["ratio"] == pytest.approx(e["seconds"] / v["baseline_seconds"])
+    overhead = e["seconds"] - v["baseline_seconds"]
+    lo, hi = CALIBRATION.overhead_error
+    assert (v["low"], v["high"]) == pytest.approx((1 + overhead / (1 + hi) / v["baseline_seconds"],
+                                                   1 + overhead / (1 + lo) / v["baseline_seconds"]))
+    assert e["calibration"]["overhead_error"] == [lo, hi]
+    assert f"estimated vs baseline: {v['ratio']:.3f}x" in aot.format_report(report)
+    assert "vs_baseline" not in h100_compiles["pallas"][0]["estimate"]  # not asked for
 
 
 @needs_cuda_compiler
@@ -303,3 +328,187 @@ def test_splash_attention_for_a_gpu_is_one_error_line():
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: config: config.model.attention 'splash' runs on TPUs, these devices are gpu; use 'xla' "
                       "(or config.model.residual.interpret=True: the Pallas interpreter, slow) (the target: h100)"]
+
+
+# ----------------------------------------------------------------------------- Mosaic GPU, and no system CUDA
+
+# Runs in one subprocess (under `strace` with every system CUDA folder hidden, where the machine allows:
+# `hidden_cuda`): the debug train step routed by the Mosaic GPU kernel, unrolled layers under remat `dots`
+# (separate sources, cotangents accumulated in place) with the GPU estimate; the Mosaic GPU kernels alone
+# on the scanned layers' stacked buffer (s1044m's width, bfloat16, a traced mask); a Triton kernel alone.
+MOSAIC_COMPILES = """if True:
+    import collections, importlib.machinery, json, re
+    import jax, jax.numpy as jnp
+    from deltares import aot
+    from deltares.training import gpu_aot, gpu_step_time, hlo_kernels
+    texts = []
+    count = aot.pallas_kernel_calls
+    aot.pallas_kernel_calls = lambda text: texts.append(text) or count(text)
+    experiment = importlib.machinery.SourceFileLoader("debug", "experiments/debug.py").load_module()
+    cfg = experiment.get_config("delta_block")
+    cfg.model.residual.impl, cfg.model.scan_layers, cfg.model.remat = "pallas_mosaic_gpu", False, "dots"
+    report = aot.analyze(cfg, None, config_name="experiments/debug.py:delta_block", gpu="h100", estimate=True)
+    hlo = texts.pop()
+    module = hlo_kernels.parse_module(hlo)
+    calls, ranks, stacks = [], set(), 0
+    B, T, D = report["global_batch"], report["seq_len"], cfg.model.d_model
+    for name, instrs in module.computations.items():
+        table = module.table(name)
+        for ins in instrs:
+            dims = hlo_kernels.dims_of(ins.type)
+            if ins.opcode == "concatenate" and dims[-1:] == [D] and (dims[-3:-1] == [B, T] or dims[-2:-1] == [B * T]):
+                stacks += 1  # sources stacked into one buffer
+            if ins.opcode == "custom-call" and re.search(r'custom_call_target="mosaic_gpu(_v2)?"', ins.attrs):
+                calls.append(ins)
+                ranks |= {len(hlo_kernels.dims_of(table[o].type)) for o in ins.operands if o in table}
+    kernels = gpu_step_time.program_kernels(hlo)
+    backends = collections.Counter(k.own for k in kernels)
+    mosaic = [k for k in kernels if k.own == "Mosaic GPU"]
+    out = dict(report=report, calls=len(calls), aliased=sum("output_to_operand_aliasing" in c.attrs for c in calls),
+               operand_ranks=sorted(ranks), stacks=stacks,
+               backends={str(k): v for k, v in backends.items()},
+               routing=all(gpu_step_time.is_routing(k) for k in mosaic))
+    from kernels_pallas.depth_route import pallas_gpu, pallas_mosaic_gpu
+    mesh = jax.sharding.Mesh(gpu_aot.gpu_devices("h100"), ("x",))
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+    S, N, D = 5, 256, 1280
+    args = (sds((S, N, D), jnp.bfloat16), sds((S,), jnp.int32), sds((D,), jnp.float32), sds((N, D), jnp.bfloat16))
+    for name, module in (("mosaic_stacked", pallas_mosaic_gpu), ("triton", pallas_gpu)):
+        def fwd_bwd(src, valid, q, dout, module=module):
+            o, lse = module.forward(src, valid, None, q, None, eps=1e-6)
+            return o, module.backward(src, valid, None, q, lse, dout, eps=1e-6)
+        with jax.set_mesh(mesh):  # the kernels' target: the mesh's GPUs (jax 0.12's Triton lowering asks)
+            text = jax.jit(fwd_bwd).lower(*args).compile().as_text()
+        out[name] = dict(mosaic=len(re.findall(r'custom_call_target="mosaic_gpu(_v2)?"', text)),
+                         triton=text.count('custom_call_target="__gpu$xla.gpu.triton"'))
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+CUDA_TOOLS = ("nvcc", "ptxas", "nvlink", "fatbinary", "nvdisasm", "cuobjdump", "cudafe++", "bin2c", "cu++filt",
+              "__nvcc_device_query")
+CUDA_FILE = re.compile(r"(^|/)(lib(cuda|cudart|nvrtc|nvJitLink|nvvm|nvptxcompiler|cublas|cudnn)[^/]*|libdevice[^/]*|"
+                       + "|".join(re.escape(t) for t in CUDA_TOOLS) + r")$")
+
+
+def system_cuda(folder: str) -> tuple[list[str], list[str]]:
+    """(folders, files) of the CUDA this machine has outside the compiler's folder: the usual install
+    folders, and every CUDA tool on PATH (a wrapper script, a link) with the folder it resolves into."""
+    dirs = [d for d in glob.glob("/usr/local/cuda*") + ["/usr/lib/cuda", "/opt/nvidia", "/usr/lib/nvidia-cuda-toolkit"]
+            if os.path.isdir(d) and not os.path.islink(d)]
+    files = []
+    for tool in CUDA_TOOLS:
+        for entry in os.environ.get("PATH", "").split(os.pathsep):
+            path = os.path.join(entry, tool)
+            if os.path.isfile(path) and not path.startswith(folder):
+                files.append(path)
+                real = os.path.dirname(os.path.dirname(os.path.realpath(path)))  # <toolkit>/bin/ptxas -> <toolkit>
+                if real not in ("/", "/usr", "/usr/local") and os.path.isdir(real) and real not in dirs:
+                    dirs.append(real)
+    return dirs, sorted(set(files))
+
+
+def _can_hide() -> str | None:
+    """Why this machine cannot hide its CUDA from a process (None: it can)."""
+    if os.geteuid() != 0:
+        return "hiding the system CUDA needs root (a private mount namespace)"
+    for tool in ("unshare", "strace"):
+        if not shutil.which(tool):
+            return f"{tool} is not installed (.ci/run installs it)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def mosaic_compiles(tmp_path_factory):
+    """(results of MOSAIC_COMPILES, the strace log or None, the hidden folders and files) for the compiler
+    folder `gpu_aot.compiler_dir()`; hidden and traced where `_can_hide()` allows."""
+    folder = os.path.realpath(gpu_aot.compiler_dir())
+    command = [sys.executable, "-c", MOSAIC_COMPILES]
+    trace, dirs, files = None, [], []
+    if _can_hide() is None and _has_plugin(folder):
+        dirs, files = system_cuda(folder)
+        trace = str(tmp_path_factory.mktemp("strace") / "trace.log")
+        mounts = [f"mount -t tmpfs none '{d}'" for d in dirs] + [f"mount --bind /dev/null '{f}'" for f in files]
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   " && ".join(mounts + ['exec "$@"']), "sh",
+                   "strace", "-f", "-qq", "-e", "trace=open,openat,execve", "-o", trace, *command]
+    proc = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):]), trace, dirs, files, folder
+
+
+@needs_cuda_compiler
+def test_mosaic_gpu_kernel_compiles_into_the_h100_step_with_separate_sources(mosaic_compiles):
+    """impl=pallas_mosaic_gpu, unrolled layers under remat `dots`: the kernels of
+    kernels_pallas/depth_route/pallas_mosaic_gpu.py, forward and backward, are in the H100 train step
+    (compiled for sm_90a), every operand a separate [tokens, D] source (no [S, N, D] buffer, no
+    concatenation of the sources), the backward accumulating cotangents in place (aliased operands);
+    the GPU estimate reads them as Mosaic GPU kernels of the routing. The stacked layout's kernels
+    compile at s1044m's width, and a Triton kernel beside them."""
+    out = mosaic_compiles[0]
+    report = out["report"]
+    assert report["routing_impl"] == "pallas_mosaic_gpu" and report["fits"] is True
+    assert out["calls"] >= 2 * 2 * report["n_layers"]  # forward and backward of each sublayer's router
+    assert report["pallas_kernel_calls"] == out["calls"] and out["backends"].get("Mosaic GPU") == out["calls"]
+    assert "Triton" not in out["backends"] and out["routing"] is True
+    assert out["aliased"] >= 1  # the cotangents of passed sources, added into in place
+    assert out["operand_ranks"] == [1, 2] and out["stacks"] == 0
+    assert report["estimate"]["routing_kernels"] >= out["calls"]
+    assert out["mosaic_stacked"] == {"mosaic": 2, "triton": 0} and out["triton"] == {"mosaic": 0, "triton": 2}
+
+
+@needs_cuda_compiler
+def test_gpu_compiles_read_nothing_of_a_system_cuda(mosaic_compiles):
+    """The compiles above ran with every system CUDA folder (and every CUDA tool on PATH) hidden in a private
+    mount namespace, under strace: the compiler folder's ptxas ran and its libdevice was read; no file of a
+    CUDA outside the folder was opened or run, and no program but python and the folder's ran."""
+    reason = _can_hide()
+    if reason is not None and not os.environ.get("CI"):  # in CI it must run: fail, not skip
+        pytest.skip(reason)
+    _, trace, dirs, files, folder = mosaic_compiles
+    assert trace is not None, reason or f"the CUDA compiler is not kept in a folder of its own ({folder})"
+    opened, ran = set(), set()
+    for line in open(trace, encoding="utf-8", errors="replace"):
+        m = re.match(r'\d+\s+(open|openat|execve)\((?:AT_FDCWD, )?"([^"]+)".*\) = (\d+)', line)
+        if m:
+            (ran if m.group(1) == "execve" else opened).add(os.path.normpath(m.group(2)))
+    inside = lambda p: os.path.realpath(p).startswith(folder + os.sep)  # noqa: E731
+    assert any(p.endswith("/bin/ptxas") and inside(p) for p in ran), sorted(ran)
+    assert any(p.endswith("/nvvm/libdevice/libdevice.10.bc") and inside(p) for p in opened)
+    hidden = [p for p in opened | ran if any(p == d or p.startswith(d + os.sep) for d in dirs) or p in files]
+    assert not hidden, hidden
+    assert not [p for p in opened | ran if CUDA_FILE.search(p) and not inside(p)]
+    python = {os.path.realpath(sys.executable)}
+    assert not [p for p in ran if not inside(p) and os.path.realpath(p) not in python], sorted(ran)
+
+
+def test_cuda_compiler_requirements_bring_ptxas_libdevice_and_mosaic_gpu():
+    """requirements-cuda-compiler(-py312).txt: the plugin and its Mosaic GPU companion of the jax version the
+    environment pins, and CUDA's compiler wheel of the CUDA version the plugin was built with (12)."""
+    for name, pins in (("requirements-cuda-compiler.txt", "requirements.txt"),
+                       ("requirements-cuda-compiler-py312.txt", "requirements-py312.txt")):
+        wanted = dict(re.findall(r"^([\w.-]+)==(\S+)", open(os.path.join(ROOT, name)).read(), re.M))
+        jax_version = dict(re.findall(r"^([\w.-]+)==(\S+)", open(os.path.join(ROOT, pins)).read(), re.M))["jax"]
+        assert wanted["jax-cuda12-pjrt"] == wanted["jax-cuda12-plugin"] == jax_version, name
+        assert wanted["nvidia-cuda-nvcc-cu12"].startswith("12."), name
+
+
+def test_gpu_aot_points_the_compilers_at_the_folder(tmp_path, monkeypatch):
+    """`use_cuda_toolkit`: a folder holding nvidia-cuda-nvcc-cu12's ptxas and libdevice becomes jax's CUDA path
+    (XLA's xla_gpu_cuda_data_dir), Mosaic GPU's CUDA root and the front of PATH; a folder without them is
+    left alone."""
+    from jax._src import lib
+
+    toolkit = tmp_path / "nvidia" / "cuda_nvcc"
+    for part in (("bin", "ptxas"), ("nvvm", "libdevice", "libdevice.10.bc")):
+        (toolkit.joinpath(*part[:-1])).mkdir(parents=True, exist_ok=True)
+        toolkit.joinpath(*part).write_bytes(b"")
+    monkeypatch.setattr(lib, "cuda_path", None)
+    mosaic = sys.modules.get("jax.experimental.mosaic.gpu.core")  # imported by another test: its default restored
+    if mosaic is not None:
+        monkeypatch.setattr(mosaic, "cuda_root", mosaic.cuda_root)
+    for key in ("PATH", "MOSAIC_GPU_CUDA_ROOT", "CUDA_ROOT"):
+        monkeypatch.setenv(key, "/usr/bin" if key == "PATH" else "unset")
+    assert not gpu_aot.use_cuda_toolkit(str(tmp_path / "empty")) and lib.cuda_path is None
+    assert gpu_aot.use_cuda_toolkit(str(tmp_path))
+    assert lib.cuda_path == str(toolkit) == os.environ["MOSAIC_GPU_CUDA_ROOT"] == os.environ["CUDA_ROOT"]
+    assert os.environ["PATH"].split(os.pathsep)[:2] == [str(toolkit / "bin"), "/usr/bin"]

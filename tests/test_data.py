@@ -16,7 +16,7 @@ import pytest
 import tokenizers
 
 from deltares.data.dataset import TokenData, Windows, eval_batches, train_dataset, train_iterator
-from deltares.data.documents import DataError, read_documents, read_text, split_documents
+from deltares.data.documents import DataError, source_units, unit_pieces
 from deltares.data.prepare import prepare
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,12 +94,24 @@ def expected_split_stats(docs):
     return dict(documents=len(docs), tokens=n_bytes + len(docs), bytes=n_bytes + len(docs))
 
 
+def read_documents(source):
+    """The documents of a source as prepare (and eval) read them: its units' pieces, joined."""
+    docs, parts = [], []
+    for unit in source_units(source):
+        for piece in unit_pieces(unit, 0.0, "text"):
+            parts.append(piece.text)
+            if piece.last:
+                docs.append("".join(parts))
+                parts = []
+    return docs
+
+
 # ----------------------------------------------------------------------------- prepare: text files
 
 
-def test_split_documents_on_blank_lines():
-    text = "\n\nfirst line\nsecond line\n\n  \n\nthird\n \t \nfourth\n\n"
-    assert split_documents(text) == ["first line\nsecond line", "third", "fourth"]
+def test_documents_are_split_on_blank_lines(tmp_path):
+    (tmp_path / "a.txt").write_text("\n\nfirst line\nsecond line\n\n  \n\nthird\n \t \nfourth\n\n")
+    assert read_documents(str(tmp_path / "a.txt")) == ["first line\nsecond line", "third", "fourth"]
 
 
 def test_read_text_plain_gzip_and_byte_order_mark(tmp_path):
@@ -108,7 +120,7 @@ def test_read_text_plain_gzip_and_byte_order_mark(tmp_path):
     (tmp_path / "b.txt.gz").write_bytes(gzip.compress(text.encode("utf-8")))
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
     for name in ("a.txt", "b.txt.gz", "bom.txt"):
-        assert read_text(str(tmp_path / name)) == text, name
+        assert read_documents(str(tmp_path / name)) == [d.strip() for d in text.split("\n\n")], name
 
 
 def test_read_documents_of_globs_and_lists_in_order(tmp_path):
@@ -133,7 +145,7 @@ def test_undecodable_input_is_a_data_error_naming_the_file(tmp_path, name, data)
     path = tmp_path / name
     path.write_bytes(data)
     with pytest.raises(DataError, match=re.escape(str(path))):
-        read_text(str(path))
+        read_documents(str(path))
     out = tmp_path / "out"
     with pytest.raises(DataError, match=re.escape(str(path))):
         prepare(str(path), "bytes", str(out), val_fraction=0.25, progress=False)

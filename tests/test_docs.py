@@ -10,6 +10,7 @@ import glob
 import os
 import re
 import sys
+import types
 
 from tests.jax_cache import ROOT
 from tests.reference_pages import stale
@@ -184,3 +185,93 @@ def test_user_pages_run_test_files_only_in_a_checkout(tmp_path, monkeypatch):
                                    "From a checkout:\n\n```bash\npython -m tests.faults\n```\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     assert commands_of_test_files_outside_a_checkout("a.md") == ["a.md:3: Run `python -m pytest tests/test_x.py`."]
+
+
+# ----------------------------------------------------------------------------- the API reference's contents
+
+SECTION = re.compile(r"^(Args|Arguments|Attributes|Returns|Raises|Example|Examples):\s*$")
+
+
+def _documented(doc: str, section: str) -> set:
+    """The names a Google-style docstring section lists (`name: ...`, `*args: ...`)."""
+    names, inside = set(), False
+    for line in (doc or "").splitlines():
+        head = SECTION.match(line.strip())
+        if head:
+            inside = head.group(1) == section and not line.startswith(" ")
+            continue
+        if inside and line and not line.startswith(" "):
+            inside = False
+        match = re.match(r"^ {4}(\*{0,2}\w+)(?: \([^)]*\))?:", line) if inside else None
+        if match:
+            names.add(match.group(1))
+    return names
+
+
+def _api_objects():
+    """(directive, object) of every `::: ` directive of the API pages."""
+    import importlib
+
+    out = []
+    for page in sorted(glob.glob(os.path.join(ROOT, API_PAGES, "*.md"))):
+        with open(page) as f:
+            for line in f:
+                if line.startswith("::: "):
+                    module, _, name = line[4:].strip().rpartition(".")
+                    out.append((line[4:].strip(), getattr(importlib.import_module(module), name)))
+    return out
+
+
+def _signature_names(fn) -> set:
+    import inspect
+
+    names = set()
+    for p in inspect.signature(fn).parameters.values():
+        if p.name in ("self", "cls"):
+            continue
+        names.add({p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name)
+    return names
+
+
+def test_api_reference_describes_every_argument_and_runs_an_example():
+    """Each documented class and function of the API pages describes every argument of its signature
+    (functions and methods: an `Args:` section; a linen Module's fields: `Attributes:`) and holds an
+    example (a ```python block of its docstring, or of its page), which runs here as printed."""
+    import inspect
+    import textwrap
+
+    import flax.linen as nn
+
+    missing, examples = [], []
+    for directive, obj in _api_objects():
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue  # the mode names: their page holds the example (tests/test_documented_commands.py runs it)
+        doc = inspect.getdoc(obj) or ""
+        if inspect.isclass(obj) and issubclass(obj, nn.Module):
+            fields = {f for f in obj.__dataclass_fields__ if f not in ("parent", "name")}
+            missing += [f"{directive}: field {f}" for f in sorted(fields - _documented(doc, "Attributes"))]
+        elif inspect.isclass(obj):
+            init = obj.__init__
+            if not getattr(init, "__dataclass_fields__", None) and "__init__" in vars(obj) or hasattr(obj, "__dataclass_fields__"):
+                wanted = _signature_names(obj) - {"rngs"} if hasattr(obj, "__dataclass_fields__") else _signature_names(init)
+                missing += [f"{directive}: {p}" for p in sorted(wanted - _documented(doc, "Args"))]
+        else:
+            missing += [f"{directive}: {p}" for p in sorted(_signature_names(obj) - _documented(doc, "Args"))]
+        methods = [(n, m) for n, m in vars(obj).items() if inspect.isfunction(m) and m.__qualname__.startswith(
+            obj.__name__ + ".") and (n == "__call__" or not n.startswith("_"))] if inspect.isclass(obj) else []
+        for name, method in methods:
+            wanted = _signature_names(method)
+            if wanted:
+                missing += [f"{directive}.{name}: {p}" for p in sorted(wanted - _documented(inspect.getdoc(method), "Args"))]
+        blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+        if not blocks:
+            missing.append(f"{directive}: no example (a ```python block in its docstring)")
+        examples += [(directive, textwrap.dedent(code)) for code in blocks]
+    assert not missing, "arguments or examples the API reference lacks:\n" + "\n".join(missing)
+    for directive, code in examples:  # each in a module of its own, as a script would be (dataclasses look it up)
+        module = types.ModuleType("deltares_api_example")
+        sys.modules[module.__name__] = module
+        try:
+            exec(compile(code, f"<example of {directive}>", "exec"), module.__dict__)
+        finally:
+            del sys.modules[module.__name__]

@@ -49,7 +49,7 @@ SCRIPT_SOURCES = ("docs/**/*.sh",)
 DOCSTRING_SOURCES = ("experiments/*.py",)
 SHELL_FENCES = ("", "bash", "sh", "shell", "console")
 PYTHON_FENCES = ("python", "py")
-COMMAND_START = re.compile(r"(python -m \S+|bash \S+|(?:\./)?(?:launch|docs)/\S+\.sh)(?=\s|$)")
+COMMAND_START = re.compile(r"(python -m \S+|bash \S+|(?:\./)?(?:launch|docs)/\S+\.sh|launch/\S+\.py)(?=\s|$)")
 FENCE = re.compile(r"^\s*```\s*([\w-]*)\s*$")
 
 
@@ -222,6 +222,8 @@ STAND_INS = (
             "trained runs of these names (a run each would not fit a test's time): links to the demo run"),
     StandIn(r"/path/to/out\b", "exports/finetuned", "an output directory of your choice"),
     StandIn(r"/tmp/analysis\b", "analysis_out", "an output directory: kept inside the workspace"),
+    StandIn(r"(?<=--bench )runs/gpu_bench\b", "{gpu_bench}",
+            "a GPU bench's output folder (no GPU here): one made in the workspace, its programs a hand-written HLO"),
     StandIn(r"--tasks hellaswag,arc_easy,arc_challenge,piqa,winogrande,boolq,mmlu,lambada_openai(?=\s|$)",
             "--tasks deltares_tiny --include_path {tasks}",
             "the paper's 8 tasks download their data from the Hub: the offline task of tests/lm_eval_tasks"),
@@ -306,6 +308,7 @@ RULES = (
     Rule("small-scale training", r"^python -m deltares\.train --config experiments/(tiny|tiny_deep|debug)\.py", "run",
          extra=SHORT_TRAIN, reason="3 steps"),
     Rule("data preparation", r"^python -m deltares\.data\.prepare ", "run"),
+    Rule("input check", r"^python -m deltares\.common\.inputs ", "run"),
     Rule("evaluation", r"^python -m deltares\.eval ", "run"),
     Rule("generation", r"^python -m deltares\.generate ", "run", check="generated"),
     Rule("lm-eval harness", r"^python -m deltares\.harness ", "run"),
@@ -329,6 +332,8 @@ RULES = (
     Rule("own-model example", r"^python -m examples\.\w+$", "run", reason="a few steps already (no flags)"),
     Rule("fault table", r"^python -m tests\.faults\b", "run", extra=("--only", "checkpoints is a file"),
          reason="one fault (and the reference run): the whole table takes minutes"),
+    Rule("GPU model calibration from a bench", r"^python -m tests\.gpu_calibration --bench ", "run",
+         extra=("--rows", "bench"), reason="the stand-in bench folder's rows only: priced and fitted, nothing compiled"),
     Rule("GPU model calibration", r"^python -m tests\.gpu_calibration\b", "run",
          extra=("--rows", "s220m baseline attn=cudnn"),
          reason="one row, compiled for the H200 in seconds (all 26 take about 10 minutes)"),
@@ -336,10 +341,14 @@ RULES = (
          extra=("--sizes", "1", "--read_seconds", "1", "--workers", "2", "--shards", "1", "--formats", "jsonl.zst"),
          reason="1 MB of .jsonl.zst records, 2 workers (the full benchmark prepares 1.1 GB of each format in 4 ways; "
                 "tests/test_prepare.py prepares every format)"),
+    Rule("SLURM on this machine", r"^python -m tests\.slurm_local (start|stop) ", "not_run",
+         reason="needs root and slurm-wlm, and starts daemons: tests/test_slurm.py runs these two commands (with "
+                "--nodes 4, in a folder of its own) around its jobs, and the launcher's jobs on that cluster"),
     Rule("launch script", r"^(bash )?launch/(tpu|gpu|slurm)\.sh ", "launch", check="launch",
          reason="--dry-run: prints every command (no cloud, no GPU)"),
-    Rule("GPU measurement script", r"^(bash )?launch/gpu_bench\.sh ", "launch", check="launch",
-         reason="--dry-run: prints every stage's command (no GPU; tests/test_launch.py parses their flags)"),
+    Rule("GPU measurement script", r"^launch/gpu_bench\.py ", "launch", check="launch",
+         reason="--dry-run: prints every mode's command and the plan (no GPU; tests/test_launch.py checks their "
+                "settings and runs the script with a fake Python)"),
 )
 
 
@@ -378,7 +387,7 @@ def runnable(doc: Doc, rule: Rule, paths: dict) -> str:
     if rule.shorten:
         command = re.sub(rule.shorten[0], rule.shorten[1], command)
     if rule.how == "launch" and "--dry-run" not in command.split():
-        command = re.sub(r"^((bash )?launch/\w+\.sh)", r"\1 --dry-run", command)
+        command = re.sub(r"^((bash )?launch/\w+\.(sh|py))", r"\1 --dry-run", command)
     extra = " ".join(shlex.quote(e) for e in rule.extra)
     if extra and command.endswith("; done"):
         return command[: -len("; done")] + f" {extra}; done"
@@ -446,7 +455,9 @@ def workspace(tmp_path_factory):
         pq.write_table(pa.table({"text": part}), str(ws / "corpus" / f"part{i}.parquet"))
         with pa.CompressedOutputStream(str(ws / "bucket" / "corpus" / f"part{i}.jsonl.zst"), "zstd") as f:
             f.write("".join(json.dumps({"text": p}) + "\n" for p in part).encode())
+    _gpu_bench_folder(ws / "gpu_bench")
     paths = dict(
+        gpu_bench=str(ws / "gpu_bench"),
         qwen3=os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny"),
         tasks=os.path.join(ROOT, "tests", "lm_eval_tasks"),
         demo=str(ws / "runs" / "demo"),
@@ -458,6 +469,35 @@ def workspace(tmp_path_factory):
         bucket=str(ws / "bucket"),
     )
     return str(ws), paths
+
+
+GPU_BENCH_HLO = """HloModule jit_step, entry_computation_layout={()->()}
+
+ENTRY %main (x: f32[SIZE]) -> f32[SIZE] {
+  %x = f32[SIZE]{0} parameter(0)
+  ROOT %y = f32[SIZE]{0} copy(%x)
+}
+"""
+
+
+def _gpu_bench_folder(folder) -> None:
+    """An output folder of launch/gpu_bench.py (env.json, rows.jsonl, programs.tar): s220m baseline and
+    delta_block, each a one-copy program."""
+    import io
+    import tarfile
+
+    os.makedirs(folder)
+    with open(folder / "env.json", "w") as f:
+        json.dump(dict(gpu="NVIDIA H200", date="2026-12-06 10:00 UTC", commit="0000000"), f)
+    with open(folder / "rows.jsonl", "w") as f, tarfile.open(folder / "programs.tar", "w") as tar:
+        for mode, n, ms in (("baseline", 2**26, 0.06), ("delta_block", 2**27, 0.12)):
+            name = f"s220m_defaults.{mode}.hlo.gz"
+            f.write(json.dumps(dict(stage="s220m_defaults", setting="s220m defaults", mode=mode, what="timing",
+                                    scale="s220m", n_layers=12, median_ms=ms, step_ms=[ms], program=name)) + "\n")
+            data = gzip.compress(GPU_BENCH_HLO.replace("SIZE", str(n)).encode())
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
 
 def command_env(rule: Rule, paths: dict) -> dict:

@@ -286,6 +286,7 @@ def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset
     not by eval, nor analyze, whether named (`--data DIR`), the run's own (no `--data`), or the tokenizer
     of text (`--data FILE`, tokenized with the run's own dataset's tokenizer)."""
     from deltares.analyze import held_out_tokens, load_run
+    from deltares.data.dataset import data_units
 
     text = tmp_path / "text.txt"
     text.write_text("Call me Ishmael.\n\nSome years ago.\n")
@@ -303,7 +304,8 @@ def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset
         for refused in (lambda: evaluate_checkpoint(finished, str(builtin_dataset)),
                         lambda: evaluate_checkpoint(finished, str(text)),
                         lambda: held_out_tokens(analyzed, str(builtin_dataset)),
-                        lambda: held_out_tokens(analyzed, None), lambda: held_out_tokens(analyzed, str(text))):
+                        lambda: held_out_tokens(analyzed, None),
+                        lambda: held_out_tokens(analyzed, str(text), data_units(str(text)))):
             with pytest.raises(DataError, match="another tokenizer than the one step 30 was trained with"):
                 refused()
         edit_meta(builtin_dataset, tokenizer_sha256=None)  # same tokenizer, other token counts: other data
@@ -342,6 +344,8 @@ def bad_commands(tmp_path, finished, builtin_dataset):
     for step in (24, 28):
         shutil.rmtree(only_step / "checkpoints" / str(step))
     truncate_array_file(str(only_step / "checkpoints" / "30"))
+    dataset_link = tmp_path / "dataset_link"
+    os.symlink(builtin_dataset, dataset_link)
     two_devices = {"XLA_FLAGS": (ENV.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
     train_new = ["deltares.train", "--config", debug, "--workdir", str(new), f"--config.data.dataset={builtin_dataset}"]
     return [
@@ -382,6 +386,13 @@ def bad_commands(tmp_path, finished, builtin_dataset):
          ["unexpected arguments b.parquet", "quote a glob"], {}),
         ("prepare into a run", ["deltares.data.prepare", "--source", "builtin", "--tokenizer", "bytes", "--out",
                                 str(finished)], ["holds a run", "--overwrite"], {}),
+        ("prepare: a glob in a list that matches nothing", ["deltares.data.prepare", "--source",
+                                                            f"{a_file},{tmp_path}/nothing*.txt", "--tokenizer", "bytes",
+                                                            "--out", str(tmp_path / "listed")],
+         ["--source", "nothing*.txt' matches no file"], {}),
+        ("mixture: a dataset named twice (through a symlink)",
+         [*train_new[:-1], f"--config.data.mixture={builtin_dataset}=1,{dataset_link}=1"],
+         ["config.data.mixture names", "dataset_link", "name each once"], {}),
     ]
 
 

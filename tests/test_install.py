@@ -367,6 +367,13 @@ def test_core_install_runs_the_layers_without_the_trainer(tmp_path):
     lines = tool.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in tool.stderr, tool.stderr
     assert "grain" in lines[0] and "tokenizers" in lines[0] and '".[train]"' in lines[0], lines[0]
+    # The examples (files of a checkout, run from its root) say the same in one line
+    for example in ("gpt_linen", "gpt_nnx"):
+        run = _run([python, "-m", f"examples.{example}"], cwd=ROOT, env=env, status=1)
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: examples/{example}.py") and "Traceback" not in \
+            run.stderr, run.stderr
+        assert "grain" in lines[0] and "the `train` extra" in lines[0] and '".[train]"' in lines[0], lines[0]
     print(f"core environment ({len(closure)} distributions), layers, model, a tool: {time.perf_counter() - start:.1f} s")
 
 

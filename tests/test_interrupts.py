@@ -4,6 +4,11 @@ checkpoint being read and scored) end each with one `error: interrupted ...` lin
 or 143, or, inside the training loop, with the step it saved; never a traceback or a segmentation
 fault, and nothing left that a rerun would trip on. Each signal is sent once the process shows
 that it got there (its signal mask, a file, a line, a mapped file, a FIFO opened), not after a sleep.
+
+Prepare's worker processes (issue 48): a Ctrl-C (SIGINT to the whole process group, as a terminal
+sends it) while they start or while they tokenize is the parent's one line, with no worker's traceback
+and no leaked-resource warning of multiprocessing's resource tracker; killing the parent, SIGKILL
+included, ends them at once.
 """
 
 import os
@@ -28,8 +33,8 @@ COPIES = 16  # of the built-in corpus that prepare tokenizes when it is stopped
 class Started:
     """A command running in the background, its output collected as it comes (to wait for a phase)."""
 
-    def __init__(self, cmd):
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    def __init__(self, cmd, **popen):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
         self.out, self.err = bytearray(), bytearray()
         self.readers = [threading.Thread(target=self._collect, args=(s, b), daemon=True)
                         for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
@@ -227,3 +232,110 @@ def test_a_program_importing_deltares_keeps_its_own_signal_handling():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=TIMEOUT)
     assert proc.stdout.split() == ["True", "True"], describe(proc)
+
+
+# ----------------------------------------------------------------------------- prepare's worker processes
+
+
+def signal_set(pid: int, field: str) -> int:
+    """A signal set of process `pid` (`SigBlk`, `SigIgn`, ...) as a bit mask; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1], 16) for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0
+
+
+SIGINT_BIT = 1 << (signal.SIGINT - 1)
+
+
+def workers_of(pid: int) -> list[int]:
+    """The worker processes that process `pid` spawned (multiprocessing's, not its resource tracker)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return []
+    found = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(int(child))
+        except OSError:
+            pass
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line.split()[1] for line in f if line.startswith("State:")) not in ("Z", "X")
+    except (OSError, StopIteration):
+        return False
+
+
+def gone_soon(pids, seconds=3.0) -> list[int]:
+    """The processes of `pids` still running `seconds` from now (or as soon as none is)."""
+    deadline = time.monotonic() + seconds
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [pid for pid in pids if running(pid)]
+
+
+@pytest.fixture(scope="module")
+def long_units(tmp_path_factory):
+    """Two text files of three copies of the built-in corpus each: one unit each, seconds of GPT-2 work."""
+    import gzip
+
+    from deltares.data.documents import builtin_path
+
+    folder = tmp_path_factory.mktemp("long_units")
+    with gzip.open(builtin_path(), "rt", encoding="utf-8") as f:
+        text = f.read()
+    for i in range(2):
+        (folder / f"book{i}.txt").write_text(text * 3, encoding="utf-8")
+    return str(folder / "*.txt")
+
+
+def prepare_with_workers(source, out):
+    return module_cmd("deltares.data.prepare", "--source", source, "--tokenizer", "gpt2", "--out", out, "--workers", "2")
+
+
+@pytest.mark.parametrize("moment", ["starting", "tokenizing"])
+def test_ctrl_c_while_prepare_workers_start_or_work_is_one_line(long_units, tmp_path, moment):
+    """`starting`: a worker spawned and still importing (SIGINT not yet ignored); `tokenizing`: both
+    workers set up (SIGINT ignored), each in its unit."""
+    out = str(tmp_path / "data")
+    started = Started(prepare_with_workers(long_units, out), start_new_session=True)
+    pid = started.proc.pid
+
+    def reached():
+        workers = workers_of(pid)
+        if moment == "starting":
+            return any(not signal_set(w, "SigIgn") & SIGINT_BIT for w in workers)
+        return len(workers) == 2 and all(signal_set(w, "SigIgn") & SIGINT_BIT for w in workers)
+
+    started.wait_for(reached, f"workers {moment}")
+    workers = workers_of(pid)
+    os.killpg(pid, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group
+    proc = started.finish()
+    assert_interrupted(proc, signal.SIGINT, f"preparing {out}")
+    assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, describe(proc)
+    assert gone_soon(workers) == []
+    assert not os.path.exists(out + ".lock")  # released: the rerun takes over nothing
+
+
+def test_killing_prepare_ends_its_workers(long_units, tmp_path):
+    """SIGKILL to the parent while both workers are seconds into their units: they end at once (they would
+    otherwise tokenize on, and write, with nobody to use it)."""
+    out = str(tmp_path / "data")
+    started = Started(prepare_with_workers(long_units, out))
+    pid = started.proc.pid
+    started.wait_for(lambda: len(workers_of(pid)) == 2 and all(
+        signal_set(w, "SigIgn") & SIGINT_BIT for w in workers_of(pid)), "both workers set up")
+    workers = workers_of(pid)
+    started.proc.kill()
+    started.finish()
+    assert gone_soon(workers) == []
+    assert not os.path.isdir(os.path.join(out, "ledger")) or os.listdir(os.path.join(out, "ledger")) == []

@@ -1,17 +1,18 @@
-"""launch/tpu.sh, launch/gpu.sh, launch/slurm.sh and launch/gpu_bench.sh: the commands they print
+"""launch/tpu.sh, launch/gpu.sh, launch/slurm.sh and launch/gpu_bench.py: the commands they print
 (--dry-run) and run.
 
-No cloud, cluster or GPU needed: the real (non-dry) paths run against a fake `gcloud`, `sbatch`,
-`srun` or `scontrol` on PATH, or a fake venv `python`, that log their arguments. The SLURM job
-script itself runs with a fake `srun` and trainer (its command line runs for real, as 2
-processes, in tests/test_multihost.py). With `FAKE_HOME` the fake
+No cloud, cluster or GPU needed: the real (non-dry) paths run against a fake `gcloud` or `sbatch`
+on PATH, or a fake venv `python`, that log their arguments. The SLURM job script itself runs on a
+real SLURM in tests/test_slurm.py (and its command line as 2 processes in tests/test_multihost.py);
+here only what needs none: its options, its checks and the submission. With `FAKE_HOME` the fake
 `gcloud` also runs each `ssh --command` in that directory, as one worker would: the
 detached start, the log and pid files and `--stop` run for real there, with a fake
 trainer that saves and exits on SIGTERM.
 """
 
-import concurrent.futures
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -26,7 +27,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU = os.path.join(ROOT, "launch", "tpu.sh")
 GPU = os.path.join(ROOT, "launch", "gpu.sh")
-GPU_BENCH = os.path.join(ROOT, "launch", "gpu_bench.sh")
+GPU_BENCH = os.path.join(ROOT, "launch", "gpu_bench.py")
 SLURM = os.path.join(ROOT, "launch", "slurm.sh")
 BASH = shutil.which("bash")
 SEP = "\x1f"  # the fakes join their arguments with this
@@ -584,6 +585,15 @@ def test_flags_the_launcher_sets_are_refused_after_the_separator(name, flag, pat
     assert res.returncode == 0, res.stderr  # an override whose name merely starts alike passes
 
 
+def test_slurm_refuses_the_exit_status_it_sets_after_the_separator(path_without_gcloud):
+    """The job script requeues on the trainers' --stopped_exit_code: another one after -- is refused."""
+    script, base = SCRIPTS["slurm.sh"]
+    for flag in ("--stopped_exit_code=0", "--stopped_exit_code", "-stopped_exit_code=3"):
+        res = run(script, ["--dry-run", *base, "--config", "tiny:delta", "--workdir", "/w", "--", flag, "1"],
+                  env=clean_env(PATH=path_without_gcloud))
+        check_one_line_error(res, f"{flag.split('=')[0]} after -- repeats a flag that slurm.sh sets")
+
+
 @pytest.mark.parametrize("flag", ["--shard=1", "--num_shards", "-shard"])
 def test_tpu_prepare_refuses_the_share_flags_it_sets(flag):
     res = run(TPU, ["--dry-run", "--name", "n", "--zone", "z", "--type", "v5p-16", "--prepare", "--", "--source",
@@ -626,34 +636,55 @@ def test_slurm_dry_run_prints_the_job_and_the_submission(tmp_path):
     venv = tmp_path / "venv"
     script, options, srun, cmds = slurm_job([
         *SLURM_ARGS, "--nodes", "4", "--gpus-per-node", "8", "--time", "24:00:00", "--partition", "gpu",
-        "--account=lab", "--sbatch=--qos=high", "--sbatch", "--exclusive", "--venv", str(venv), "--requeue",
+        "--account=lab", "--sbatch=--qos=high", "--sbatch", "--constraint=h100", "--venv", str(venv), "--requeue",
         "--save-before", "600", "--job-name", "s7b6", "--", *OVERRIDES])
     assert script.startswith("#!/bin/bash\n")
     assert options == [
-        "--job-name=s7b6", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=24:00:00",
-        "--partition=gpu", "--account=lab", f"--chdir={ROOT}", "--output=runs/slurm/s7b6-%j.log", "--open-mode=append",
-        "--signal=B:USR1@600", "--requeue", "--qos=high", "--exclusive"]
+        "--job-name=s7b6", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive", "--mem=0",
+        "--time=24:00:00", "--partition=gpu", "--account=lab", f"--chdir={ROOT}", "--output=runs/slurm/s7b6-%j.log",
+        "--open-mode=append", "--signal=B:USR1@600", "--requeue", "--qos=high", "--constraint=h100"]
     assert srun == ["srun", "--kill-on-bad-exit=1", "env", "JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7",
-                    f"{venv}/bin/python", "-m", "deltares.train", *SLURM_ARGS, *OVERRIDES, "&"]
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+                    f"{venv}/bin/python", "-m", "deltares.train", *SLURM_ARGS, "--stopped_exit_code=75", *OVERRIDES, "&"]
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert not re.search(r"\bkill -", script)  # SIGTERM to srun would kill the trainers unsaved
     assert cmds == [["cd", ROOT], ["mkdir", "-p", "runs/slurm"], ["sbatch", "--parsable", "runs/slurm/s7b6.sbatch"]]
 
 
-def test_slurm_defaults_container_and_env(tmp_path):
+def test_slurm_defaults_cpu_nodes_resources_container_and_env(tmp_path):
     env = clean_env(DELTARES_CONFIG="experiments/tiny.py:delta", DELTARES_WORKDIR="runs/y")
     script, options, srun, _ = slurm_job([], env=env)
-    assert options == ["--job-name=deltares", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=8",
-                       f"--chdir={ROOT}", "--output=runs/slurm/deltares-%j.log", "--open-mode=append",
-                       "--signal=B:USR1@300"]
-    assert "scontrol" not in script and "submit this job again to resume" in script
-    assert srun[-9:] == ["JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7", f"{ROOT}/.venv/bin/python", "-m", "deltares.train",
-                         "--config", "experiments/tiny.py:delta", "--workdir", "runs/y", "&"]
+    assert options == ["--job-name=deltares", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive",
+                       "--mem=0", f"--chdir={ROOT}", "--output=runs/slurm/deltares-%j.log", "--open-mode=append",
+                       "--signal=B:USR1@300", "--requeue"]
+    assert srun[-10:] == ["JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7", f"{ROOT}/.venv/bin/python", "-m", "deltares.train",
+                          "--config", "experiments/tiny.py:delta", "--workdir", "runs/y", "--stopped_exit_code=75", "&"]
+    # nodes without GPUs, set CPUs and memory, no requeue
+    script, options, srun, _ = slurm_job([*SLURM_ARGS, "--gpus-per-node", "0", "--cpus-per-node", "16", "--mem=64G",
+                                          "--no-requeue"])
+    assert not [o for o in options if o.startswith(("--gpus", "--exclusive"))]
+    assert options[3:5] == ["--cpus-per-task=16", "--mem=64G"] and options[-1] == "--no-requeue"
+    assert srun[:5] == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=16", "env", "JAX_PLATFORMS=cpu"]
+    assert "scontrol requeue \"$SLURM_JOB_ID\"" not in script and "submit this job again to resume" in script
     _, _, srun, _ = slurm_job([*SLURM_ARGS, "--container", "nvcr.io/nvidia/jax:25.04", "--mounts", "/data:/data",
                                "--gpus-per-node", "2"])
     assert srun[:5] == ["srun", "--kill-on-bad-exit=1", "--container-image=nvcr.io/nvidia/jax:25.04",
                         f"--container-mounts={ROOT}:{ROOT},/shared/runs:/shared/runs,/data:/data",
                         f"--container-workdir={ROOT}"]
     assert srun[5:9] == ["env", "JAX_LOCAL_DEVICE_IDS=0,1", "python3", "-m"]  # the image's python
+
+
+@pytest.mark.parametrize("time_, save_before, ok", [
+    ("5", "299", True), ("5", "300", False), ("5:00", "300", False), ("0:30", "59", True), ("0:30", "60", False),
+    ("1:00:00", "3599", True), ("1-0", "86399", True), ("1-00:00:01", "86400", True), ("2-3:4:5", "500000", False),
+    ("unlimited", "999999", True), ("INFINITE", "300", True), ("0", "300", True),
+])
+def test_slurm_save_before_must_be_less_than_the_time_limit(time_, save_before, ok):
+    """SLURM reads --time in minutes (seconds round up to a minute); `0` and `unlimited` have no limit."""
+    args = ["--dry-run", *SLURM_ARGS, "--time", time_, "--save-before", save_before]
+    if ok:
+        assert run(SLURM, args).returncode == 0
+    else:
+        check_one_line_error(run(SLURM, args), f"--save-before {save_before} is not less than --time {time_} (")
 
 
 def test_slurm_job_shown_in_the_docs_is_the_one_written():
@@ -677,9 +708,31 @@ def test_slurm_job_shown_in_the_docs_is_the_one_written():
     ([*SLURM_ARGS, "--gpus", "8"], "unknown argument '--gpus'"),
     ([*SLURM_ARGS, "--nodes", "99999999999"], "below 1000000"), ([*SLURM_ARGS, "--save-before", "nan"],
     "--save-before must be"), ([*SLURM_ARGS, "--gpus-per-node", "-1"], "--gpus-per-node must be"),
+    ([*SLURM_ARGS, "--cpus-per-node", "0"], "--cpus-per-node must be"), ([*SLURM_ARGS, "--mem", "lots"], "--mem must be"),
+    ([*SLURM_ARGS, "--mem", "0"], "--mem must be"), ([*SLURM_ARGS, "--time", "1h"], "--time must be as sbatch takes it"),
+    ([*SLURM_ARGS, "--time", "-5"], "--time must be"), ([*SLURM_ARGS, "--save-before", "0"], "--save-before must be"),
 ])
 def test_slurm_bad_settings_are_one_line_errors(args, needle):
     check_one_line_error(run(SLURM, ["--dry-run", *args]), needle)
+
+
+def test_slurm_local_says_why_it_cannot_start(monkeypatch, tmp_path):
+    """tests/test_slurm.py skips with this reason (or, with DELTARES_REQUIRE_SLURM=1, fails with it)."""
+    import slurm_local
+
+    monkeypatch.setattr(slurm_local, "find", lambda program: None if program in ("slurmd", "munged") else "/bin/true")
+    assert slurm_local.unavailable().startswith("munged, slurmd not found: install Debian's slurm-wlm and munge")
+    monkeypatch.setattr(slurm_local, "find", lambda program: "/bin/true")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert slurm_local.unavailable() == "starting SLURM's daemons needs root (slurmd starts each job as its user)"
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    expected = slurm_local.unavailable()  # this machine's binaries, and no root
+    res = subprocess.run([sys.executable, "-c", "import os, runpy, sys; os.geteuid = lambda: 1000; sys.argv[1:] = "
+                          f"['start', {str(tmp_path)!r}]; runpy.run_module('tests.slurm_local', run_name='__main__')"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and res.stderr.splitlines() == [f"error: {expected}"], res.stderr
+    assert os.listdir(tmp_path) == []  # nothing written
 
 
 def fake_bin(tmp_path, **scripts):
@@ -709,63 +762,10 @@ def test_slurm_submits_the_job_it_prints(tmp_path):
     check_one_line_error(run(SLURM, [*SLURM_ARGS, "--venv", str(tmp_path / "none")]), "none/bin/python not found")
 
 
-# The job step's stand-ins: srun runs its command (srun's options dropped) and passes SIGTERM on, as the
-# real one does to its tasks; the trainer logs its start and its variables, and on SIGTERM "saves" and exits 0.
-FAKE_SRUN = """while [[ $1 == --* ]]; do shift; done
-"$@" & task=$!
-trap 'kill -TERM $task' TERM
-wait $task
-wait $task
-"""
-FAKE_STEP_TRAINER = """sleep "$FAKE_TRAIN_SECONDS" & steps=$!
-trap 'kill $steps; echo saved >> "$FAKE_LOG"; exit 0' TERM
-echo "started $JAX_LOCAL_DEVICE_IDS $*" >> "$FAKE_LOG"
-wait $steps
-echo finished >> "$FAKE_LOG"
-"""
-
-
-@pytest.mark.parametrize("requeue, signal_, log, requeued", [
-    (True, "USR1", ["saved"], True),  # the time limit is near: save, then back to the queue
-    (False, "USR1", ["saved"], False),  # the same without --requeue: saved, and the log says to resubmit
-    (True, "TERM", ["saved"], False),  # scancel or a preemption: SLURM itself cancels or requeues
-    (True, None, ["finished"], False),  # the run reaches its last step
-])
-def test_slurm_job_saves_before_the_time_limit_and_requeues(tmp_path, requeue, signal_, log, requeued):
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").write_text("#!/usr/bin/env bash\n" + FAKE_STEP_TRAINER)
-    (venv / "bin" / "python").chmod(0o755)
-    script = slurm_job([*SLURM_ARGS, "--venv", str(venv), "--gpus-per-node", "2", *(["--requeue"] * requeue)])[0]
-    (tmp_path / "job.sbatch").write_text(script)
-    fake_log = tmp_path / "trainer.log"
-    env = clean_env(PATH=fake_bin(tmp_path, srun=FAKE_SRUN, scontrol=f'echo "$*" >> {tmp_path}/scontrol.log'),
-                    FAKE_LOG=str(fake_log), FAKE_TRAIN_SECONDS="0" if signal_ is None else "30", SLURM_JOB_ID="42")
-    job = subprocess.Popen([BASH, str(tmp_path / "job.sbatch")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not (fake_log.exists() and "started" in fake_log.read_text()):
-            assert time.monotonic() < deadline and job.poll() is None
-            time.sleep(0.05)
-        if signal_:
-            job.send_signal(getattr(signal, "SIG" + signal_))
-        out, _ = job.communicate(timeout=30)
-    finally:
-        job.kill()
-    assert job.returncode == 0, out
-    lines = fake_log.read_text().splitlines()
-    assert lines[0] == f"started 0,1 -m deltares.train {' '.join(SLURM_ARGS)}" and lines[1:] == log
-    assert (tmp_path / "scontrol.log").exists() == requeued
-    if requeued:
-        assert (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
-    assert ("submit this job again" in out) == (signal_ == "USR1" and not requeue)
-
-
 # ---------------------------------------------------------------- lint
 
 
-# ---------------------------------------------------------------- gpu_bench.sh
+# ---------------------------------------------------------------- gpu_bench.py
 
 # Runs `deltares.bench`'s own command line on one printed command's arguments, with the benchmark
 # replaced by a check of the parsed model config and the modes.
@@ -777,7 +777,9 @@ PARSE_BENCH = """if True:
     def check(argv):
         validate_model_config(bench._CONFIG.value.model)
         assert set(bench._MODES.value) <= set(MODES), bench._MODES.value
-        print("parsed", bench._CONFIG.value.model.attention, bench._CONFIG.value.model.residual.impl)
+        assert not bench._BASELINE.value and bench._SEQUENTIAL.value
+        model = bench._CONFIG.value.model
+        print("parsed", model.attention, model.residual.impl, model.scan_layers, bench._PROFILE_STEPS.value)
 
     bench.main = check
     sys.argv = ["deltares.bench", *sys.argv[1:]]
@@ -785,77 +787,242 @@ PARSE_BENCH = """if True:
 """
 
 
-DEFAULT_STAGES = ("s220m_defaults", "s220m_defaults_xla", "kernel", "s1044m_defaults", "s1044m_defaults_xla",
-                  "s220m_no_command_buffers", "tests", "estimate")
-SCANNED_STAGES = ("s220m", "s220m_kernel", "s220m_cudnn", "s220m_cudnn_kernel", "s1044m", "s1044m_grouped",
-                  "s1044m_segments")
+def load_gpu_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", GPU_BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_gpu_bench_dry_run_prints_every_stage_and_its_flags_parse():
-    res = run(GPU_BENCH, ["--dry-run", "--out", "runs/b", "--stages", ",".join(DEFAULT_STAGES + SCANNED_STAGES)])
+def run_py(args, env=None):
+    return subprocess.run([sys.executable, GPU_BENCH, *args], capture_output=True, text=True, env=env or clean_env(),
+                          cwd=ROOT, timeout=120)
+
+
+def test_gpu_bench_dry_run_plans_each_call_and_its_flags_parse(tmp_path):
+    """--dry-run walks every mode's command with its estimate and start, in the issue's order, and says which
+    fit --budget; each stage's flags parse as deltares.bench reads them (one mode per process, sequential)."""
+    gb = load_gpu_bench()
+    res = run_py(["--dry-run", "--budget", "540", "--cache", str(tmp_path / "cache")])
     assert res.returncode == 0, res.stderr
-    cmds = commands(res.stdout)
-    assert cmds[:2] == [["cd", ROOT], ["mkdir", "-p", "runs/b"]]
-    by_stage = {os.path.basename(c[-2])[:-4]: c[:-3] for c in cmds[2:]}  # each ends: > runs/b/STAGE.txt 2>&1
-    assert list(by_stage) == list(DEFAULT_STAGES + SCANNED_STAGES)
-    default = commands(run(GPU_BENCH, ["--dry-run", "--out", "runs/b"]).stdout)
-    assert [os.path.basename(c[-2])[:-4] for c in default[2:]] == list(DEFAULT_STAGES)
-    tests = by_stage["tests"]
-    assert tests[:2] == ["env", "JAX_PLATFORMS=cuda"] and tests[-2:] == ["-k", "pallas_gpu or cudnn"]
-    assert by_stage["kernel"][:5] == ["python3", "-m", "kernels_pallas.depth_route.bench", "--train_layers", "0"]
-    no_buffers = by_stage["s220m_no_command_buffers"]  # the caller's XLA_FLAGS kept, command buffers off
-    assert no_buffers[0] == "env" and no_buffers[1].startswith("XLA_FLAGS=")
-    assert no_buffers[1].endswith("--xla_gpu_enable_command_buffer=")
-    estimate = by_stage["estimate"]
-    assert estimate[:4] == ["env", "JAX_PLATFORMS=cpu", "bash", "-c"] and "--gpu h100 --estimate" in estimate[4]
-    benches = {name: c[c.index("python3") + 3:] for name, c in by_stage.items() if "deltares.bench" in c}
-    assert len(benches) == 12
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        outs = dict(zip(benches, pool.map(
-            lambda argv: subprocess.run([sys.executable, "-c", PARSE_BENCH, *argv], cwd=ROOT, capture_output=True,
-                                        text=True, timeout=120), benches.values())))
-    assert {n: o.returncode for n, o in outs.items()} == dict.fromkeys(benches, 0), [o.stderr[-2000:] for o in outs.values()]
-    parsed = {n: o.stdout.split()[-2:] for n, o in outs.items()}
-    assert parsed["s220m_defaults"] == ["auto", "auto"] and parsed["s220m_defaults_xla"] == ["auto", "xla"]
-    assert [parsed[n] for n in SCANNED_STAGES[:4]] == [["xla", "xla"], ["xla", "pallas_gpu"], ["cudnn", "xla"],
-                                                       ["cudnn", "pallas_gpu"]]
+    plan = [line for line in res.stdout.splitlines() if line.startswith("# s")]
+    assert [line.split(":")[0][2:] for line in plan] == [
+        "s220m_defaults baseline", "s220m_defaults delta_block", "s220m_defaults delta", "s220m_profile baseline",
+        "s220m_profile delta_block", "s220m_xla delta_block", "s220m_xla delta", "s220m_scanned baseline",
+        "s220m_no_command_buffers baseline", "s220m_no_command_buffers delta"]
+    # the same plan in-process: runs start one after another and end within the budget; the rest is skipped
+    steps = gb.plan([gb.BY_NAME[n] for n in gb.CALLS["s220m"]], 540, {})
+    ran = [s for s in steps if s["runs"]]
+    assert ran and ran[-1]["start"] + ran[-1]["seconds"] <= 540 - gb.MARGIN_S
+    assert all(a["start"] + a["seconds"] == b["start"] for a, b in zip(ran, ran[1:]))
+    assert f"# {len(ran)} of 10 runs fit" in res.stdout and " skipped, " in res.stdout
+    # the profile loads the programs the defaults compiled: a cached compile, not a full one
+    est = {(s["stage"].name, s["mode"]): s["seconds"] for s in steps}
+    assert est[("s220m_profile", "baseline")] < est[("s220m_defaults", "baseline")]
+    # measured times replace the guesses (the compile then a load from the cache)
+    key = gb.BY_NAME["s1044m_defaults"].program("delta")
+    times = {key: dict(wall=100.0, compile_s=80.0)}
+    assert gb.estimate(gb.BY_NAME["s1044m_defaults"], "delta", times, set()) == 20.0 + gb.CACHED_COMPILE_S
+    times[key]["compile_s"] = 5.0  # a load takes no longer than the compile did
+    assert gb.estimate(gb.BY_NAME["s1044m_defaults"], "delta", times, set()) == 100.0
+    assert gb.estimate(gb.BY_NAME["s1044m_defaults"], "delta", {}, set()) == gb.STARTUP_S + 30 + 200
+    no_limit = gb.plan([gb.BY_NAME[n] for n in gb.CALLS["s1044m"]], 0, {})
+    assert all(s["runs"] for s in no_limit)
+    # every stage's overrides name config fields and values the experiment takes (validated as the trainer
+    # does), and the richest command line parses as deltares.bench reads it (one mode, sequential)
+    import importlib
+
+    from deltares.training.experiment import validate_config
+
+    for stage in gb.STAGES:
+        if stage.command:
+            continue
+        argv = stage.argv(stage.modes[0], "python3", "j.jsonl", "d")
+        assert argv[argv.index("--modes") + 1] == stage.modes[0] and "--nobaseline" in argv
+        cfg = importlib.import_module(f"experiments.{os.path.basename(stage.config)[:-3]}").get_config(stage.modes[0])
+        for override in stage.overrides:
+            key, value = override[len("--config."):].split("=")
+            *path, last = key.split(".")
+            node = cfg
+            for part in path:
+                node = getattr(node, part)
+            old = getattr(node, last)
+            setattr(node, last, {"True": True, "False": False}.get(value, value) if isinstance(old, (bool, str))
+                    else type(old)(value))
+        validate_config(cfg)
+    argv = gb.BY_NAME["s220m_cudnn_kernel"].argv("delta", "python3", "j.jsonl", "d")[3:] + ["--profile_steps", "2"]
+    proc = subprocess.run([sys.executable, "-c", PARSE_BENCH, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-4:] == ["cudnn", "pallas_gpu", "True", "2"]
+    assert gb.BY_NAME["s220m_no_command_buffers"].xla_flags == "--xla_gpu_enable_command_buffer="
+    assert "--xla_gpu_enable_command_buffer=" in res.stdout  # said in the plan
 
 
-def test_gpu_bench_runs_its_stages_and_reports_failures(tmp_path):
-    """Each stage runs its command (here a fake Python that logs its arguments and prints a table
-    row: the real commands run in tests/test_documented_commands.py), its output kept in OUT; a
-    stage that fails and stages past the budget end the run with one error line naming them."""
-    out, log = tmp_path / "out", tmp_path / "argv.log"
-    fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\necho "| baseline | 1.0 |"\n')
+FAKE_HLO = """HloModule jit_step, entry_computation_layout={()->()}
+
+ENTRY %main (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %y = f32[1024]{0} copy(%x)
+}
+"""
+
+# A stand-in for the GPU machine's Python: the environment probe, and deltares.bench writing its row and its
+# program as the real one does (the mode "delta" hangs until stopped); each call logged with its environment.
+FAKE_BENCH_PYTHON = """#!{python}
+import gzip, json, os, sys, time
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(json.dumps(dict(argv=args, pid=os.getpid(), mem=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+                            cache=os.environ.get("JAX_COMPILATION_CACHE_DIR"), flags=os.environ.get("XLA_FLAGS"))) + "\\n")
+if args[0] == "-c":
+    print(json.dumps(dict(python="3.12", device_kind="NVIDIA H200", platform="gpu", devices=1,
+                          packages=dict(jax="0.11.2"))))
+    sys.exit(0)
+mode = args[args.index("--modes") + 1]
+if mode == "delta" and not os.environ.get("FAKE_FAST"):
+    print("| compiling forever |", flush=True)
+    time.sleep(120)
+save = args[args.index("--save_dir") + 1]
+with gzip.open(os.path.join(save, mode + ".hlo.gz"), "wt") as f:
+    f.write({hlo!r}.replace("1024", str(1000 + len(mode))))  # a program of its own
+row = dict(mode=mode, scale="s220m", n_layers=12, median_ms=60.0 + len(mode), step_ms=[60.0] * 9, compile_s=30.0,
+           what="timing", hlo=mode + ".hlo.gz")
+with open(args[args.index("--jsonl") + 1], "a") as f:
+    f.write(json.dumps(row) + "\\n")
+print("| " + mode + " | 60.0 |")
+"""
+
+
+def test_gpu_bench_runs_each_mode_in_a_process_within_its_budget(tmp_path):
+    """Each mode runs in its own process (memory fraction, compilation cache set) and its row and program are
+    kept in OUT as soon as it ends; a mode past the budget is stopped, one that would not fit is skipped, and
+    the run ends with one error line naming both. OUT holds four files, and is calibration input. A second
+    call with --resume runs only what did not finish, planned with the measured times."""
+    from tests import gpu_calibration
+
+    log, fake = tmp_path / "calls.jsonl", tmp_path / "python"
+    fake.write_text(FAKE_BENCH_PYTHON.format(python=sys.executable, log=str(log), hlo=FAKE_HLO))
     fake.chmod(0o755)
-    res = run(GPU_BENCH, ["--stages", "kernel,s1044m_segments", "--out", str(out), "--python", str(fake)])
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.04, 143771 MiB'\n")
+    smi.chmod(0o755)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    gb = load_gpu_bench()
+    stages = [gb.BY_NAME["s220m_defaults"], gb.BY_NAME["s220m_xla"]]
+    # known times: every mode about 1 s, so a budget of 12 s fits the plan but not a mode that hangs
+    gb.save_times(str(cache), {s.program(m): dict(wall=1.0, compile_s=0.0) for s in stages for m in s.modes})
+    env = clean_env(PATH=f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    args = ["--stages", "s220m_defaults,s220m_xla", "--out", str(out), "--cache", str(cache), "--python", str(fake),
+            "--commit", "abc1234"]
+    start = time.monotonic()
+    res = run_py(args + ["--budget", "12"], env=env)
+    assert time.monotonic() - start < 60
+    check_one_line_error(res, "3 of the planned runs did not finish", "s220m_defaults delta (stopped at the budget",
+                         "s220m_xla delta_block (skipped)", "s220m_xla delta (skipped)")
+    assert sorted(os.listdir(out)) == ["bench.log", "env.json", "programs.tar", "rows.jsonl"]
+    info = json.loads((out / "env.json").read_text())
+    assert (info["gpu"], info["driver"], info["commit"], info["packages"]) == (
+        "NVIDIA H200", "580.159.04", "abc1234", {"jax": "0.11.2"})
+    assert "--xla_gpu_per_fusion_autotune_cache_dir=" in info["xla_flags"] and info["mem_fraction"] == "0.92"
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["mode"], "median_ms" in r, r.get("failed", r.get("skipped", ""))[:7]) for r in rows] == [
+        ("s220m_defaults", "baseline", True, ""), ("s220m_defaults", "delta_block", True, ""),
+        ("s220m_defaults", "delta", False, "stopped"), ("s220m_xla", "delta_block", False, "about 1"),
+        ("s220m_xla", "delta", False, "about 1")]
+    assert rows[0]["program"] == "s220m_defaults.baseline.hlo.gz" and rows[0]["setting"] == "s220m defaults"
+    with tarfile.open(out / "programs.tar") as tar:
+        assert sorted(tar.getnames()) == ["s220m_defaults.baseline.hlo.gz", "s220m_defaults.delta_block.hlo.gz"]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0]["argv"][0] == "-c"  # the environment first
+    benches = [c for c in calls if c["argv"][0] == "-m"]
+    assert [c["argv"][c["argv"].index("--modes") + 1] for c in benches] == ["baseline", "delta_block", "delta"]
+    for c in benches:
+        assert c["argv"][:3] == ["-m", "deltares.bench", "--config"] and "--sequential" in c["argv"]
+        assert c["mem"] == "0.92" and c["cache"] == str(cache / "jax")
+    assert "| delta_block | 60.0 |" in res.stdout and "| compiling forever |" in res.stdout
+    assert "| delta_block | 60.0 |" in (out / "bench.log").read_text()
+    times = gb.load_times(str(cache))
+    assert times[stages[0].program("baseline")]["compile_s"] == 30.0
+    # the bench's output is the calibration's input: two rows of one setting, baseline and delta_block
+    bench_rows = gpu_calibration.bench_rows(str(out))
+    assert sorted(r.mode for r in bench_rows) == ["baseline", "delta_block"]
+    assert {r.setting for r in bench_rows} == {f"bench h200 {info['date'].split()[0]} abc1234 s220m defaults"}
+    # a second call resumes: the finished modes are not run again
+    out2 = tmp_path / "out2"
+    res = run_py(args[:2] + ["--out", str(out2)] + args[4:] + ["--resume"], env=dict(env, FAKE_FAST="1"))
     assert res.returncode == 0, res.stderr
-    assert log.read_text().splitlines() == [
-        "-m kernels_pallas.depth_route.bench --train_layers 0",
-        "-m deltares.bench --config experiments/s1044m.py --batch 8 --seq_len 2048 --rounds 2 --steps 2 "
-        "--config.model.residual.impl=xla --modes baseline,delta --config.model.scan_layers=True --config.model.residual.group_layers=0 "
-        "--config.model.residual.scan_segments=12"]
-    assert (out / "kernel.txt").read_text() == "| baseline | 1.0 |\n"
-    assert res.stdout.count("| baseline | 1.0 |") == 2 and "== s1044m_segments: exit 0" in res.stdout
-    res = run(GPU_BENCH, ["--stages", "kernel,s220m", "--out", str(out), "--python", "false"])
-    check_one_line_error(res, "2 stage(s) did not finish", "kernel (exit 1)", "s220m (exit 1)")
-    res = run(GPU_BENCH, ["--stages", "tests", "--out", str(out), "--budget", "1"])
-    check_one_line_error(res, "tests (skipped)")
-    assert "--budget 1 spent" in res.stdout
+    assert "s220m_defaults baseline: done in an earlier call" in res.stdout
+    rows = [json.loads(line) for line in (out2 / "rows.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["mode"]) for r in rows] == [("s220m_defaults", "delta"), ("s220m_xla", "delta_block"),
+                                                       ("s220m_xla", "delta")]
+
+
+def test_gpu_bench_stopped_stops_its_mode(tmp_path):
+    """SIGTERM to the script (a caller's time-out) ends the mode running under it, and says so in one line."""
+    log, fake = tmp_path / "calls.jsonl", tmp_path / "python"
+    fake.write_text(FAKE_BENCH_PYTHON.format(python=sys.executable, log=str(log), hlo=FAKE_HLO))
+    fake.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, GPU_BENCH, "--stages", "s220m_no_command_buffers", "--out",
+                             str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--python", str(fake)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("\n") < 3):
+        time.sleep(0.1)  # the probe, baseline, then delta (which hangs)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == [err.strip()] and "interrupted" in err
+    hung = json.loads(log.read_text().splitlines()[-1])
+    assert hung["argv"][hung["argv"].index("--modes") + 1] == "delta"
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung["pid"], 0)
+
+
+def test_gpu_bench_programs_go_to_a_next_tar_past_the_size_limit(tmp_path, monkeypatch):
+    gb = load_gpu_bench()
+    monkeypatch.setattr(gb, "TAR_LIMIT", 40_000)  # tar pads to records of 10 KiB
+    for i in range(3):
+        (tmp_path / f"p{i}").write_bytes(os.urandom(12_000))
+        gb.add_to_tar(str(tmp_path), {f"s.m{i}.hlo.gz": str(tmp_path / f"p{i}")})
+    with tarfile.open(tmp_path / "programs.tar") as a, tarfile.open(tmp_path / "programs-2.tar") as b:
+        assert (a.getnames(), b.getnames()) == (["s.m0.hlo.gz", "s.m1.hlo.gz"], ["s.m2.hlo.gz"])
+    assert (tmp_path / "programs.tar").stat().st_size <= 40_000 and not list(tmp_path.glob("*.tmp"))
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--stages", "kernel,nope"], "unknown stage 'nope'"), (["--budget", "10m"], "whole number of seconds"),
-    (["--stages", ""], "--stages is empty"), (["--out"], "--out needs a value"), (["--fast"], "unknown argument"),
-    (["--gpu", "a100"], "--gpu must be h100 or h200"),
+    (["--stages", "s220m_defaults,nope"], "unknown stage 'nope'"), (["--budget", "10m"], "a number of seconds"),
+    (["--budget", "-5"], "at least 0"), (["--stages", ","], "--stages is empty"), (["--out"], "expected one argument"),
+    (["--fast"], "unrecognized arguments"), (["--call", "s7b6"], "invalid choice"),
 ])
 def test_gpu_bench_bad_arguments_are_one_line_errors(args, needle):
-    check_one_line_error(run(GPU_BENCH, args), needle)
+    check_one_line_error(run_py(args + ["--dry-run"]), needle)
+
+
+def test_gpu_bench_without_a_working_python_records_why(tmp_path):
+    """A Python that cannot run (no JAX, say): env.json keeps the probe's error, each mode fails in one line."""
+    res = run_py(["--stages", "s220m_scanned", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "c"),
+                  "--python", shutil.which("false")])
+    check_one_line_error(res, "1 of the planned runs did not finish", "s220m_scanned baseline (exit 1)")
+    assert "probe_error" in json.loads((tmp_path / "out" / "env.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert rows == [dict(stage="s220m_scanned", setting="s220m scanned attn=cudnn", mode="baseline", xla_flags="",
+                         failed="exit 1", seconds=rows[0]["seconds"])]
+
+
+def test_gpu_bench_out_that_is_a_file_is_one_line_error(tmp_path):
+    (tmp_path / "out").write_text("a file")
+    check_one_line_error(run_py(["--out", str(tmp_path / "out"), "--stages", "kernel"]), "is a file")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-@pytest.mark.parametrize("script", [TPU, GPU, SLURM, GPU_BENCH])
+@pytest.mark.parametrize("script", [TPU, GPU, SLURM])
 def test_shellcheck(script):
     subprocess.run(["shellcheck", script], check=True)
 

@@ -7,11 +7,12 @@
 
 One scenario, run once for the module: the single-process reference runs STEPS steps; the
 2-process run gets SIGTERM on process 1 only after its first steps, so that both processes
-save one agreed step (jax's preemption sync point) and exit 0; the same command restarted on
+save one agreed step (jax's preemption sync point) and exit 75 (the job's `--stopped_exit_code`, on
+which it requeues itself); the same command restarted on
 both resumes from that checkpoint to STEPS (a requeued job). `tests/multihost_worker.py` records
 each process's batches and saves. Every wait has a deadline: a hung collective fails the test.
-The job's other lines (the signal before the time limit, the requeue) are tested in
-tests/test_launch.py. The single process joins a cluster of one named by `JAX_COORDINATOR_ADDRESS`,
+The whole job (the signal before the time limit, the requeue) runs on a real SLURM in
+tests/test_slurm.py. The single process joins a cluster of one named by `JAX_COORDINATOR_ADDRESS`,
 `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` (the way off SLURM and Cloud TPU).
 """
 
@@ -155,8 +156,8 @@ class Run:
                 pytest.fail(f"no {n} logged steps while all processes ran\n{self.describe()}")
             time.sleep(0.1)
 
-    def finish(self):
-        """Waits for every process (killing all at the deadline); returns their records."""
+    def finish(self, exit_code=0):
+        """Waits for every process (killing all at the deadline), which must exit `exit_code`; returns their records."""
         for p in self.procs:
             try:
                 p.wait(timeout=max(1.0, self.deadline - time.monotonic()))
@@ -164,7 +165,7 @@ class Run:
                 self.kill()
                 pytest.fail(f"the processes did not finish within {TIMEOUT}s (a hung collective?)\n{self.describe()}")
         for i, p in enumerate(self.procs):
-            assert p.returncode == 0, self.describe()
+            assert p.returncode == exit_code, self.describe()
         out = []
         for i in range(len(self.procs)):
             with open(self.path(i, "record") + ".json") as f:
@@ -184,7 +185,7 @@ def scenario(tmp_path_factory):
         runs += [single, first]
         first.wait_for_logged_steps(SIGNAL_AFTER)
         first.procs[1].send_signal(signal.SIGTERM)
-        first_records = first.finish()
+        first_records = first.finish(exit_code=75)
         checkpoints_after_first = checkpoint_steps(first.workdir)
         metrics_after_first = read_metrics(first.workdir)
         second = Run(dataset, tmp / "multi", tmp / "second-out", PROCESSES, tmp)
@@ -264,8 +265,8 @@ def test_slurm_variables_join_the_two_processes_and_jax_variables_the_reference(
     assert all(r["distributed"] for r in (scenario["ref"], *scenario["first_records"], *scenario["second_records"]))
 
 
-def test_sigterm_to_one_process_saves_the_same_step_on_both_and_exits_0(scenario):
-    step = saved_step(scenario)  # finish() asserted exit code 0 for both
+def test_sigterm_to_one_process_saves_the_same_step_on_both_and_exits_75(scenario):
+    step = saved_step(scenario)  # finish() asserted exit code 75 (the SLURM job's --stopped_exit_code) for both
     assert SIGNAL_AFTER <= step < STEPS
     assert [r["steps"] for r in scenario["first_records"]] == [step] * PROCESSES  # each ran exactly to it
     assert scenario["checkpoints_after_first"] == [step]

@@ -63,7 +63,7 @@ def test_documents_stream_like_the_whole_text(tmp_path):
     text = moby_text(400_000)
     path = tmp_path / "moby.txt"
     path.write_text(text)
-    units = documents.plan_units(str(path), unit_bytes=50_000)
+    units = documents.source_units(str(path), unit_bytes=50_000)
     assert len(units) >= 6 and units[0]["start"] == 0 and units[-1]["end"] is None
     assert all(a["end"] == b["start"] for a, b in zip(units, units[1:]))
     docs, parts = [], []
@@ -429,8 +429,10 @@ def test_hf_dataset_is_planned_by_its_files(tmp_path, monkeypatch):
     ("bad.json", b'{"text": "a"}\n\n{"text": 3}\n', r"bad.json line 3: field 'text' holds 3, not text"),
     ("bad.jsonl.gz", b'{"text": "a"}\n{"text": "b\n', r"bad.jsonl.gz line 2 is not a JSON record"),
     ("bad.jsonl", b'["a", "b"]\n', r"bad.jsonl line 1 is not a JSON object but a list"),
-    ("bad.jsonl.zst", b"not zstd" * 20, r"bad.jsonl.zst is not a readable JSON Lines file: ZSTD"),
-    ("bad.json.gz", b"not gzip" * 20, r"bad.json.gz is not a readable JSON Lines file"),
+    ("bad.jsonl.zst", b"not zstd" * 20, r"bad.jsonl.zst is named .zst but is not zstd-compressed"),
+    ("bad.jsonl.zst", b"\x28\xb5\x2f\xfd" + b"not zstd" * 20, r"bad.jsonl.zst is not a readable zstd file"),
+    ("bad.json.gz", b"not gzip" * 20, r"bad.json.gz is named .gz but is not gzip-compressed"),
+    ("bad.json.gz", b"\x1f\x8b" + b"not gzip" * 20, r"bad.json.gz is not a readable gzip file"),
     ("bad.parquet", b"PAR1 not parquet" * 20, r"bad.parquet is not a readable Parquet file"),
 ])
 def test_bad_records_are_one_data_error_naming_the_file(tmp_path, bad, content, message):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from deltares.training import workdir as wd
+from deltares.common import lock as lock_module
 from deltares.training.workdir import LOCK, WorkdirError, WorkdirLock, check_workdir
 
 
@@ -23,7 +23,7 @@ def messages():
 
 
 def write_lock(path, **fields):
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": wd._process_start(os.getpid()),
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": lock_module._process_start(os.getpid()),
               "started": "2026-01-01 00:00:00", "heartbeat": time.time(), "token": "x", "command": "test"}
     record.update(fields)
     (path / LOCK).write_text(json.dumps(record))
@@ -75,14 +75,14 @@ def test_lock_from_another_host(tmp_path):
     write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - 5)
     with pytest.raises(WorkdirError, match="elsewhere"):
         WorkdirLock(str(tmp_path)).acquire()
-    write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - wd.STALE_AFTER_S - 5)
+    write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - lock_module.STALE_AFTER_S - 5)
     said, log = messages()
     with WorkdirLock(str(tmp_path), log=log):
         assert "heartbeat stopped" in said[0]
 
 
 def test_heartbeat_is_refreshed(tmp_path, monkeypatch):
-    monkeypatch.setattr(wd, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)  # the lock of deltares.common.lock
     with WorkdirLock(str(tmp_path)):
         first = json.loads((tmp_path / LOCK).read_text())["heartbeat"]
         time.sleep(0.3)

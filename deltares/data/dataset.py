@@ -16,16 +16,17 @@ with byte-range requests there (deltares.data.shards), each process reading only
 from __future__ import annotations
 
 import json
+import os
 
 import grain
 import numpy as np
 from etils import epath
 
 from deltares.data import paths
-from deltares.data.documents import DataError, document_bytes, read_documents
+from deltares.data.documents import DataError, hf_dataset_folder, piece_bytes, source_units, unit_pieces
 from deltares.data.prepare import READABLE_FORMATS, SPLITS
 from deltares.data.shards import Shard, Tokens
-from deltares.data.tokenizer import encode_documents, tokenizer_from_json, tokenizer_sha256
+from deltares.data.tokenizer import encode_texts, tokenizer_from_json, tokenizer_sha256
 
 
 class TokenData:
@@ -188,11 +189,51 @@ def eval_batches(tokens, seq_len: int, batch: int, max_batches: int | None = Non
     return [rows[b * batch : (b + 1) * batch] for b in range(n_batches)]
 
 
-def text_tokens(source: str, tokenizer) -> tuple[np.ndarray, int]:
-    """Tokens of local text (see `read_documents`), each document followed by end-of-text as
-    prepare writes them, and the bytes they spell (`document_bytes`)."""
-    docs = read_documents(source)
-    if not docs:
-        raise DataError(f"{source} holds no text")
-    tokens = np.concatenate([np.asarray(ids, np.int32) for ids in encode_documents(docs, tokenizer)])
-    return tokens, sum(document_bytes(doc) for doc in docs)
+def prepared_folder(spec: str) -> str | None:
+    """The prepared dataset folder `spec` names (one folder holding meta.json, on a disk or a bucket: its real path,
+    or its URL), or None."""
+    spec = spec.strip()
+    if not spec or "," in spec or (not paths.is_remote(spec) and not os.path.isdir(os.path.expanduser(spec))):
+        return None
+    try:
+        if not (epath.Path(paths.run_dir(spec)) / "meta.json").exists():
+            return None
+    except OSError:
+        return None
+    return spec if paths.is_remote(spec) else os.path.realpath(os.path.expanduser(spec))
+
+
+def data_units(spec: str, *, flag: str = "--data", text_field: str = "text", hf_config: str | None = None,
+               hf_split: str = "train") -> list[dict]:
+    """The units of the text a tool scores (`deltares.eval --data`, `deltares.analyze --data`) when `spec` names
+    no prepared dataset: every source `prepare --source` takes (deltares.data.documents.source_units)."""
+    folder = os.path.expanduser(spec.strip())
+    if "," not in spec and not paths.is_remote(spec) and os.path.isdir(folder) and not hf_dataset_folder(spec):
+        raise DataError(f"{flag} {spec} is a folder but not a prepared dataset (no meta.json) nor a saved Hugging "
+                        f"Face dataset; name the files in it, e.g. '{spec.rstrip('/')}/*.txt'")
+    return source_units(spec, flag=flag, text_field=text_field, hf_config=hf_config, hf_split=hf_split)
+
+
+def source_tokens(units: list[dict], tokenizer, text_field: str = "text") -> tuple[np.ndarray, int]:
+    """Tokens of the documents of `units` (`data_units`), each followed by end-of-text as prepare writes them
+    (the same pieces, encoded the same way), and the bytes they count for bits per byte (`piece_bytes`: UTF-8
+    plus one per end-of-text, as the dataset's meta.json counts them)."""
+    chunks, batch, n_bytes, size = [], [], 0, 0
+
+    def encode():
+        for piece, ids in zip(batch, encode_texts([p.text for p in batch], tokenizer)):
+            chunks.append(np.asarray(ids + [tokenizer.eos_id] if piece.last else ids, np.int32))
+
+    for unit in units:
+        for piece in unit_pieces(unit, 0.0, text_field):
+            batch.append(piece)
+            n_bytes += piece_bytes(piece)
+            size += len(piece.text)
+            if size >= 512 << 10:
+                encode()
+                batch, size = [], 0
+    encode()
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
+    if not len(tokens):
+        raise DataError(f"{', '.join(sorted({u['path'] for u in units})[:3])} holds no text")
+    return tokens, n_bytes

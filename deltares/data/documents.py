@@ -1,44 +1,55 @@
 """Documents of a corpus, read lazily, in units that workers and hosts can tokenize independently.
 
-A text source (files, `.gz`, globs, comma-separated, on a disk or a bucket; `builtin` is Moby-Dick) is cut into
-documents at blank lines. Record files (Parquet, JSON Lines plain or `.gz`/`.zst`, the same ways)
-and a Hugging Face dataset (`hf:NAME`, or a local dataset directory) give one document per record:
-the text of its `--text_field`, empty records skipped. The source is planned as a list of units
-(`plan_units`, `hf_files`): a plain text file is cut into pieces of about `unit_bytes` at blank
-lines (so no document spans two units), a gzipped text file and a JSON Lines file are one unit each,
-a Parquet file is one unit or, when large, runs of its row groups (read from its footer), and a
-Hugging Face dataset is planned by its own data files in the same way. No unit reads another's
-records. Units are numbered in source order; the prepared token stream is the units' documents in
-that order, whoever tokenized them.
+What a source names is decided in `source_units`, once for every tool: `builtin` (Moby-Dick), a
+Hugging Face dataset (`hf:NAME`, or a folder written by `datasets.save_to_disk`), or files and globs,
+comma-separated, on a disk or a bucket, named as every input is (deltares.common.inputs). Each file is
+read as what its content says it is (deltares.data.formats): text, cut into documents at blank lines,
+or records (JSON Lines, Parquet, Arrow), one document per record: the text of its `--text_field`, empty
+records skipped; compressed or not. The source is planned as a list of units: a plain text file is cut
+into pieces of about `unit_bytes` at blank lines (so no document spans two units), a compressed text
+file and a JSON Lines or Arrow file are one unit each, a Parquet file is one unit or, when large, runs
+of its row groups (read from its footer), and a Hugging Face dataset is planned by its own data files in
+the same way. No unit reads another's records. Units are numbered in source order; the prepared token
+stream is the units' documents in that order, whoever tokenized them.
 
-A document is read line by line and handed on in pieces of about `PIECE_BYTES`, cut after a
-newline that a non-space character follows, and a line longer than that before a space that
-precedes a letter (where byte-level BPE pre-tokenizers always start a new token, so the pieces
-encode to the ids of the whole; tests/test_prepare.py checks it), so a book without blank lines
-is never encoded whole; a record's text is cut at the same places. Whether a document is held out for
-validation is decided by a hash of its first `HASH_BYTES` bytes: independent of file order and of
-how the source is split, and one-document-per-file corpora get a validation split too.
+A document is read line by line (a line longer than `PIECE_BYTES` in parts) and handed on in pieces of
+about `PIECE_BYTES`, cut after a newline that a non-space character follows, or before a space that
+follows a non-space character and precedes a letter (where byte-level BPE pre-tokenizers always start a
+new token, so the pieces encode to the ids of the whole; tests/test_prepare.py checks it), so a book
+without blank lines is never encoded whole; a record's text is cut at the same places. Where no such
+place comes within `HARD_PIECE * PIECE_BYTES` characters (a record of megabytes without a space), the
+text is cut there anyway: the ids next to that cut may differ from the whole's, but no tokenizer ever
+gets more text at once. Whether a document is held out for validation is decided by a hash of its first
+`HASH_BYTES` bytes: independent of file order and of how the source is split, and
+one-document-per-file corpora get a validation split too.
 """
 
 from __future__ import annotations
 
 import codecs
-import glob
-import gzip
+import functools
 import hashlib
-import io
 import itertools
 import json
 import os
 import re
-import zlib
 from collections.abc import Iterator
 from importlib import resources
 from typing import NamedTuple
 
+from deltares.common.inputs import DataError, resolve_inputs  # noqa: F401 - DataError: the data's error too
+from deltares.data import formats
+from deltares.data.formats import ARROW_FILE, ARROW_STREAM, JSON_LINES, PARQUET, TEXT, Format
+
 BUILTIN = "builtin"
+SOURCE_HELP = {  # the help of the flags that name what a source's records hold, in every tool that reads sources
+    "text_field": "The field of a record (Parquet, Arrow, JSON Lines, Hugging Face) holding its text.",
+    "hf_config": "Hugging Face dataset configuration name (hf:NAME sources).",
+    "hf_split": "Hugging Face dataset split to read (hf:NAME sources and saved dataset folders).",
+}
 PIECE_BYTES = 256 << 10  # a longer document is encoded in pieces of about this size (a 1 MB text costs the
 # GPT-2 tokenizer about 100 MB while it is encoded, 256 KB about 7 MB)
+HARD_PIECE = 2  # a piece is cut anyway once it reaches HARD_PIECE * PIECE_BYTES characters without a place to cut
 HASH_BYTES = 1 << 16  # the validation split hashes this much of each document
 UNIT_BYTES = 64 << 20  # plain text files (and large Parquet files) are cut into units of about this size
 _BOUNDARY = re.compile(rb"\n[ \t\r\f\v]*\n")  # a blank line between documents
@@ -47,10 +58,7 @@ _BOUNDARY = re.compile(rb"\n[ \t\r\f\v]*\n")  # a blank line between documents
 # and precedes a letter. Byte-level BPE pre-tokenizers (GPT-2's, Qwen's, Llama 3's) start a new
 # pre-token at both.
 _CUT = re.compile(r"\n(?=\S)|(?<=\S)(?= [^\W\d_])")
-
-
-class DataError(ValueError):
-    """Input data that cannot be prepared or read; the message names the problem."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Piece(NamedTuple):
@@ -65,56 +73,6 @@ def builtin_path() -> str:
     return str(resources.files("deltares.data") / "assets" / "mobydick.txt.gz")
 
 
-def _fs(path: str):
-    """(filesystem, path) of a bucket URL (fsspec: gcsfs for gs://, s3fs for s3://)."""
-    import fsspec  # noqa: PLC0415 - buckets only
-
-    try:
-        return fsspec.core.url_to_fs(path)
-    except (ImportError, ValueError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
-
-
-def _open_binary(path: str):
-    if "://" in path:
-        fs, inner = _fs(path)
-        return fs.open(inner, "rb")
-    return open(path, "rb")
-
-
-def _size(path: str) -> int:
-    if "://" in path:
-        fs, inner = _fs(path)
-        return fs.size(inner)
-    return os.path.getsize(path)
-
-
-def text_paths(source: str) -> list[str]:
-    """The files of a source (text or records, local or on a bucket): paths and globs, comma-separated."""
-    paths: list[str] = []
-    for pattern in source.split(","):
-        pattern = pattern.strip()
-        if "://" in pattern:
-            fs, inner = _fs(pattern)
-            scheme = pattern.split("://")[0]
-            found = sorted(fs.glob(inner)) if any(c in pattern for c in "*?[") else ([inner] if fs.isfile(inner) else [])
-            if not found:
-                raise DataError(f"no such file: {pattern}")
-            paths += [f"{scheme}://{p}" if "://" not in p else p for p in found]
-            continue
-        pattern = os.path.expanduser(pattern)
-        found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-        for path in found:
-            if os.path.isdir(path):
-                raise DataError(f"{path} is a directory; pass files or a glob such as '{path}/*.txt'")
-            if not os.path.isfile(path):
-                raise DataError(f"no such file: {path}")
-            paths.append(path)
-    if not paths:
-        raise DataError(f"no files match {source!r}")
-    return paths
-
-
 def held_out(text: str, val_fraction: float) -> bool:
     """Whether a document (its first HASH_BYTES bytes) belongs to the validation split."""
     digest = hashlib.blake2b(text.encode("utf-8")[:HASH_BYTES], digest_size=8).digest()
@@ -124,30 +82,45 @@ def held_out(text: str, val_fraction: float) -> bool:
 # ----------------------------------------------------------------------------- planning
 
 
-def plan_units(source: str, unit_bytes: int = UNIT_BYTES, field: str = "text") -> list[dict]:
-    """The units of a source of files, in source order: {path, start, end} byte ranges of plain text
-    files cut at blank lines, {path} for a whole file (gzipped text, JSON Lines), and record files'
-    units (`record_units`, `field` their text's)."""
-    if source == BUILTIN:  # resolved when read: the plan holds no path of this installation
+def source_units(source: str, *, flag: str = "--source", text_field: str = "text", hf_config: str | None = None,
+                 hf_split: str = "train", unit_bytes: int = UNIT_BYTES) -> list[dict]:
+    """The units of what `source` names, in source order. The names recognised here and nowhere else:
+    `builtin` (the shipped Moby-Dick), `hf:NAME` and a folder written by `datasets.save_to_disk` (a
+    Hugging Face dataset, read by its data files: `hf_files`); anything else is files and globs
+    (deltares.common.inputs.resolve_inputs, `flag` naming them in messages), each cut as its format
+    allows (`file_units`). DataError naming the entry and the cause."""
+    if source.strip() == BUILTIN:  # resolved when read: the plan holds no path of this installation
         return [{"path": BUILTIN, "start": 0, "end": None}]
-    units = []
-    for path in (p if "://" in p else os.path.abspath(p) for p in text_paths(source)):
-        if is_records(path):
-            units += record_units(path, field, unit_bytes)
-            continue
-        size = _size(path)
-        if path.endswith(".gz") or size <= unit_bytes:
-            units.append({"path": path, "start": 0, "end": None})
-            continue
-        cuts = [0]
-        with _open_binary(path) as f:
-            while cuts[-1] + unit_bytes < size:
-                cut = _next_boundary(f, cuts[-1] + unit_bytes)
-                if cut is None or cut >= size:
-                    break
-                cuts.append(cut)
-        units += [{"path": path, "start": a, "end": b} for a, b in zip(cuts, cuts[1:] + [None])]
-    return units
+    if source.startswith("hf:") or hf_dataset_folder(source):
+        files = hf_files(source.removeprefix("hf:"), hf_config, hf_split)
+        return [unit for path in files for unit in record_units(path, text_field, unit_bytes)]
+    return [unit for path in resolve_inputs(source, flag=flag) for unit in file_units(path, unit_bytes, text_field)]
+
+
+def hf_dataset_folder(source: str) -> bool:
+    """Whether `source` is a local folder written by `datasets.save_to_disk` (a dataset or a dict of splits)."""
+    folder = os.path.expanduser(source.strip())
+    return "://" not in source and any(os.path.isfile(os.path.join(folder, name))
+                                       for name in ("dataset_dict.json", "state.json"))
+
+
+def file_units(path: str, unit_bytes: int = UNIT_BYTES, field: str = "text") -> list[dict]:
+    """The units of one file: a plain text file in {path, start, end} byte ranges cut at blank lines, a
+    compressed text file whole ({path, start: 0, end: None}), a record file as `record_units` cuts it."""
+    fmt = file_format(path)
+    if fmt.records:
+        return record_units(path, field, unit_bytes)
+    size = formats.size(path)
+    if fmt.codec is not None or size <= unit_bytes:
+        return [{"path": path, "start": 0, "end": None}]
+    cuts = [0]
+    with formats.open_binary(path) as f:
+        while cuts[-1] + unit_bytes < size:
+            cut = _next_boundary(f, cuts[-1] + unit_bytes)
+            if cut is None or cut >= size:
+                break
+            cuts.append(cut)
+    return [{"path": path, "start": a, "end": b} for a, b in zip(cuts, cuts[1:] + [None])]
 
 
 def _next_boundary(f, offset: int, window: int = 1 << 20) -> int | None:
@@ -166,105 +139,125 @@ def _next_boundary(f, offset: int, window: int = 1 << 20) -> int | None:
         position += len(chunk)
 
 
+@functools.lru_cache(maxsize=4096)
+def _format(path: str, stamp) -> Format:
+    return formats.detect(path)
+
+
+def file_format(path: str) -> Format:
+    """The format of a source file, told by its content (deltares.data.formats.detect; once per process
+    for a local file that has not changed)."""
+    if path == BUILTIN:
+        return Format(TEXT, "gzip")
+    if "://" in path:
+        return _format(path, None)
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err.strerror}") from None
+    return _format(path, (st.st_size, st.st_mtime_ns, st.st_ino))
+
+
+def is_records(unit: dict) -> bool:
+    """Whether a unit's file holds records, one document each (Parquet, Arrow, JSON Lines), rather than text
+    cut at blank lines."""
+    return file_format(unit["path"]).records
+
+
 # ----------------------------------------------------------------------------- reading
 
 
-class _Range(io.RawIOBase):
-    """Bytes [start, end) of a binary file, as a readable stream."""
-
-    def __init__(self, f, start: int, end: int | None):
-        f.seek(start)
-        self.f, self.left = f, None if end is None else end - start
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        n = len(buffer) if self.left is None else min(len(buffer), self.left)
-        data = self.f.read(n)
-        buffer[: len(data)] = data
-        if self.left is not None:
-            self.left -= len(data)
-        return len(data)
-
-
 def _unit_lines(unit: dict) -> Iterator[str]:
-    """The lines of a text unit, decoded as strict UTF-8 with universal newlines (a leading
-    byte-order mark dropped). DataError naming the file for text that is not UTF-8 or a broken gzip."""
+    """The lines of a text unit (deltares.data.formats.text_lines), a line longer than PIECE_BYTES in parts."""
     path = builtin_path() if unit["path"] == BUILTIN else unit["path"]
-    try:
-        if path.endswith(".gz"):
-            stream = gzip.open(_open_binary(path), "rt", encoding="utf-8-sig")
-        else:
-            raw = _open_binary(path)
-            stream = io.TextIOWrapper(io.BufferedReader(_Range(raw, unit["start"], unit["end"]), 1 << 20),
-                                      encoding="utf-8-sig" if unit["start"] == 0 else "utf-8")
-        with stream:
-            yield from stream
-    except UnicodeDecodeError as err:
-        where = f"byte {unit['start'] + err.start}" if not path.endswith(".gz") else "its text"
-        raise DataError(f"{path} is not UTF-8 text ({where}: {err.reason}); convert it, "
-                        "e.g. iconv -f latin1 -t utf-8") from None
-    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-        raise DataError(f"{path} is not a readable gzip file: {err}") from None
+    return formats.text_lines(path, file_format(unit["path"]), unit["start"], unit["end"], part=PIECE_BYTES)
+
+
+class _Pieces:
+    """The text of one document as it comes, handed on in pieces of at least PIECE_BYTES characters, cut where
+    `_CUT` allows (so the pieces encode to the ids of the whole), or, where no such place comes before
+    HARD_PIECE * PIECE_BYTES characters (tens of megabytes without a space), cut there anyway: a tokenizer
+    never gets more than that at once."""
+
+    def __init__(self):
+        self.parts, self.size, self.scan = [], 0, PIECE_BYTES
+
+    def add(self, text: str) -> list[str]:
+        """The pieces completed by `text`."""
+        self.parts.append(text)
+        self.size += len(text)
+        done = []
+        while self.size > self.scan:
+            whole = "".join(self.parts)
+            match = _CUT.search(whole, self.scan, HARD_PIECE * PIECE_BYTES)
+            if match is not None:
+                cut = match.end()
+            elif len(whole) >= HARD_PIECE * PIECE_BYTES:
+                cut = PIECE_BYTES
+            else:  # wait for more text; what was searched is not searched again
+                self.parts, self.scan = [whole], max(PIECE_BYTES, len(whole) - 1)
+                break
+            done.append(whole[:cut])
+            rest = whole[cut:]
+            self.parts, self.size, self.scan = [rest] if rest else [], len(rest), PIECE_BYTES
+        return done
+
+    def rest(self) -> str:
+        return "".join(self.parts)
+
+
+class _Document:
+    """One document of a text as its lines come: stripped, its split decided by its first piece."""
+
+    def __init__(self, val_fraction: float):
+        self.val_fraction, self.pieces, self.split, self.started = val_fraction, _Pieces(), None, False
+
+    def _split(self, text: str) -> str:
+        if self.split is None:
+            self.split = "val" if held_out(text, self.val_fraction) else "train"
+        return self.split
+
+    def add(self, text: str) -> list[Piece]:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return []
+            self.started = True
+        return [Piece(part, False, self._split(part)) for part in self.pieces.add(text)]
+
+    def end(self) -> Piece:
+        text = self.pieces.rest().rstrip()
+        return Piece(text, True, self._split(text))
 
 
 def text_pieces(unit: dict, val_fraction: float, limit: int | None = None) -> Iterator[Piece]:
     """The documents of a text unit as pieces (see the module docstring): each document is the
     text between blank lines, stripped; at most `limit` documents."""
-    lines: list[str] = []
-    size, split, count = 0, None, 0
-
-    def flush(last: bool):
-        nonlocal lines, size, split
-        text = "".join(lines)
-        text = text.lstrip() if split is None else text
-        text = text.rstrip() if last else text
-        if split is None:
-            split = "val" if held_out(text, val_fraction) else "train"
-        piece = Piece(text, last, split)
-        lines, size = [], 0
-        if last:
-            split = None
-        return piece
-
-    for line in _unit_lines(unit):
-        if not line.strip():
-            if lines:
-                yield flush(True)
-                count += 1
-                if limit is not None and count >= limit:
-                    return
+    doc, count = _Document(val_fraction), 0
+    blank, held = True, []  # whether the current line is blank so far, and its whitespace parts
+    for part in _unit_lines(unit):
+        if blank and not part.strip():
+            held.append(part)
+            if part.endswith("\n"):  # a blank line
+                held = []
+                if doc.started:
+                    yield doc.end()
+                    count += 1
+                    if limit is not None and count >= limit:
+                        return
+                    doc = _Document(val_fraction)
             continue
-        for k, part in enumerate(_cut(line)):  # a line longer than PIECE_BYTES in parts
-            if size >= PIECE_BYTES and (k > 0 or not line[0].isspace()):  # cut where a token starts
-                yield flush(False)
-            lines.append(part)
-            size += len(part)
-    if lines:
-        yield flush(True)
+        for text in [*held, part]:
+            yield from doc.add(text)
+        held, blank = [], part.endswith("\n")
+    if doc.started:
+        yield doc.end()
 
 
-def document_bytes(doc: str) -> int:
-    """The bytes a document counts for bits per byte: its UTF-8 bytes plus one for the separator
-    that its end-of-text token stands for (so the end-of-text is scored against a byte)."""
-    return len(doc.encode("utf-8")) + 1
-
-
-def split_documents(text: str) -> list[str]:
-    """The documents of a text held in memory (blank-line separated, stripped): what
-    `text_pieces` gives for a file of this text, joined."""
-    return [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
-
-
-def read_text(path: str) -> str:
-    """The whole text of a local file as `text_pieces` reads it (for evaluation's small texts)."""
-    return "".join(_unit_lines({"path": path, "start": 0, "end": None}))
-
-
-def read_documents(source: str) -> list[str]:
-    """Every document of a small local text source, file by file (evaluation reads texts this way)."""
-    return [doc for path in text_paths(source) for doc in split_documents(read_text(path))]
+def piece_bytes(piece: Piece) -> int:
+    """The bytes a piece counts for bits per byte: its UTF-8 bytes, plus one for the separator that the
+    end-of-text token after a document's last piece stands for (so the end-of-text is scored against a byte)."""
+    return len(piece.text.encode("utf-8")) + piece.last
 
 
 def count_documents(units: list[dict], max_docs: int, field: str = "text") -> list[int]:
@@ -275,7 +268,7 @@ def count_documents(units: list[dict], max_docs: int, field: str = "text") -> li
         if left <= 0:
             limits.append(0)
             continue
-        if is_records(unit["path"]):
+        if is_records(unit):
             n = sum(1 for _ in itertools.islice(record_texts(unit, field), left))
         else:
             n = sum(1 for piece in text_pieces(unit, 0.0, left) if piece.last)
@@ -286,38 +279,22 @@ def count_documents(units: list[dict], max_docs: int, field: str = "text") -> li
 
 # ----------------------------------------------------------------------------- records (Parquet, JSON Lines, hf:)
 
-RECORD_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 BATCH_RECORDS = 1024  # records decoded at a time (Parquet and Arrow batches, JSON lines)
-
-
-def is_records(path: str) -> bool:
-    """Whether a file holds records, one document each (Parquet, JSON Lines, the Arrow files of a
-    saved Hugging Face dataset), rather than text cut at blank lines."""
-    return path.endswith(RECORD_SUFFIXES)
-
-
-def _pyarrow():
-    try:
-        import pyarrow  # noqa: PLC0415 - record sources only (installed with datasets)
-        import pyarrow.parquet  # noqa: F401, PLC0415
-    except ImportError:
-        raise DataError("Parquet and JSON Lines sources need pyarrow (pip install pyarrow)") from None
-    return pyarrow
 
 
 def record_units(path: str, field: str, unit_bytes: int = UNIT_BYTES) -> list[dict]:
     """The units of a record file: a JSON Lines or Arrow file whole; a Parquet file whole, or, when its
     text column holds more than `unit_bytes` in several row groups, runs of row groups of about
     `unit_bytes` each ({path, row_groups: [first, stop]}: read from the file's footer)."""
-    if not path.endswith(".parquet"):
+    if file_format(path).kind != PARQUET:
         return [{"path": path}]
-    pa = _pyarrow()
+    pa = formats.pyarrow()
     try:
-        with _open_binary(path) as raw:
+        with formats.open_binary(path) as raw:
             parquet = pa.parquet.ParquetFile(raw)
             _check_field(parquet.schema_arrow, field, path)
             meta = parquet.metadata
-            column = next(j for j in range(meta.num_columns) if meta.schema.column(j).path == field)
+            column = next(j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == field)
             sizes = [meta.row_group(g).column(column).total_uncompressed_size for g in range(meta.num_row_groups)]
     except (OSError, pa.ArrowException) as err:
         raise DataError(f"{path} is not a readable Parquet file: {err}") from None
@@ -331,13 +308,26 @@ def record_units(path: str, field: str, unit_bytes: int = UNIT_BYTES) -> list[di
     return [{"path": path, "row_groups": run} for run in runs]
 
 
-def _check_field(schema, field: str, path: str) -> None:
-    pa = _pyarrow()
-    if field not in schema.names:
+def _is_text_type(kind) -> bool:
+    pa = formats.pyarrow()
+    if pa.types.is_dictionary(kind):  # dictionary-encoded strings are text too
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
+def _check_field(schema, field: str, path: str) -> int:
+    """The index of the text column `field` in a record file's schema; DataError naming the file and the column
+    when it is missing, named twice, or holds no text."""
+    found = schema.get_all_field_indices(field)
+    if not found:
         raise DataError(f"{path} has no field {field!r} (--text_field); its fields: {', '.join(schema.names)}")
-    kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+    if len(found) > 1:
+        raise DataError(f"{path} has {len(found)} columns named {field!r} (--text_field): which one holds the text "
+                        "is not known; write the file again with one")
+    kind = schema.field(found[0]).type
+    if not _is_text_type(kind):
         raise DataError(f"{path}: field {field!r} holds {kind}, not text (--text_field)")
+    return found[0]
 
 
 def _record_batches(unit: dict, field: str) -> Iterator[list]:
@@ -345,37 +335,46 @@ def _record_batches(unit: dict, field: str) -> Iterator[list]:
     record's value is null). DataError naming the file for a missing field, a value that is not text,
     a line that is no JSON object, or a file that cannot be read or decompressed."""
     path = unit["path"]
-    pa = _pyarrow()
-    kind = "Parquet" if path.endswith(".parquet") else "Arrow" if path.endswith(".arrow") else "JSON Lines"
+    fmt = file_format(path)
+    pa = formats.pyarrow() if fmt.kind != JSON_LINES else None
+    errors = formats.decompress_errors() + ((pa.ArrowException,) if pa is not None else ())
     try:
-        with _open_binary(path) as raw:
-            if path.endswith(".parquet"):
+        with formats.open_binary(path) as raw:
+            if fmt.kind == PARQUET:
                 parquet = pa.parquet.ParquetFile(raw)
                 _check_field(parquet.schema_arrow, field, path)
                 first, stop = unit["row_groups"]
                 if first < stop:
                     for batch in parquet.iter_batches(BATCH_RECORDS, row_groups=range(first, stop), columns=[field]):
-                        yield batch.column(0).to_pylist()
-            elif path.endswith(".arrow"):  # a saved Hugging Face dataset: an Arrow stream
-                reader = pa.ipc.open_stream(raw)
-                _check_field(reader.schema, field, path)
-                index = reader.schema.get_field_index(field)
-                for batch in reader:
-                    yield batch.column(index).to_pylist()
+                        yield _texts(batch.column(0), path, field)
+            elif fmt.kind == ARROW_FILE:  # Arrow IPC file (Feather 2)
+                reader = pa.ipc.open_file(raw)
+                index = _check_field(reader.schema, field, path)
+                for i in range(reader.num_record_batches):
+                    yield _texts(reader.get_batch(i).column(index), path, field)
+            elif fmt.kind == ARROW_STREAM:  # Arrow IPC stream: a saved Hugging Face dataset
+                with formats.open_decompressed(raw, fmt.codec) as stream:
+                    reader = pa.ipc.open_stream(stream)
+                    index = _check_field(reader.schema, field, path)
+                    for batch in reader:
+                        yield _texts(batch.column(index), path, field)
             else:
-                yield from _json_lines(raw, field, path)
-    except (OSError, EOFError, zlib.error, pa.ArrowException) as err:
-        raise DataError(f"{path} is not a readable {kind} file: {err}") from None
+                with formats.open_decompressed(raw, fmt.codec) as stream:
+                    yield from _json_lines(stream, field, path)
+    except errors as err:
+        raise DataError(f"{path} is not a readable {fmt} file: {err}") from None
 
 
-def _json_lines(raw, field: str, path: str) -> Iterator[list]:
-    """The values of `field` of a JSON Lines file (plain, .gz or .zst) in batches; blank lines skipped."""
-    if path.endswith(".gz"):
-        stream = gzip.open(raw)
-    elif path.endswith(".zst"):
-        stream = io.BufferedReader(_pyarrow().CompressedInputStream(raw, "zstd"), 1 << 20)
-    else:
-        stream = raw
+def _texts(column, path: str, field: str) -> list:
+    """The values of an Arrow text column (dictionary-encoded too) as str, None where null."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: field {field!r} holds bytes that are not UTF-8 ({err.reason})") from None
+
+
+def _json_lines(stream, field: str, path: str) -> Iterator[list]:
+    """The values of `field` of a JSON Lines stream (decompressed) in batches; blank lines skipped."""
     batch = []
     for number, line in enumerate(stream, 1):
         if number == 1:
@@ -383,8 +382,11 @@ def _json_lines(raw, field: str, path: str) -> Iterator[list]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except ValueError as err:  # not JSON, or not UTF-8
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path} line {number} is not UTF-8 text (byte {err.start} of the line: {err.reason})"
+                            ) from None
+        except ValueError as err:  # not JSON
             raise DataError(f"{path} line {number} is not a JSON record ({err}); JSON Lines files hold one "
                             "object per line") from None
         if not isinstance(record, dict):
@@ -396,6 +398,9 @@ def _json_lines(raw, field: str, path: str) -> Iterator[list]:
         value = record[field]
         if value is not None and not isinstance(value, str):
             raise DataError(f"{path} line {number}: field {field!r} holds {json.dumps(value)[:40]}, not text")
+        if value is not None and not value.isascii() and (bad := _SURROGATE.search(value)):
+            raise DataError(f"{path} line {number}: field {field!r} holds a lone surrogate (\\u{ord(bad.group()):04x}), "
+                            "which is no text")
         batch.append(value)
         if len(batch) == BATCH_RECORDS:
             yield batch
@@ -422,7 +427,7 @@ def record_pieces(unit: dict, field: str, val_fraction: float, limit: int | None
 
 def unit_pieces(unit: dict, val_fraction: float, field: str, limit: int | None = None) -> Iterator[Piece]:
     """The pieces of the documents of any unit (text or records), at most `limit` documents."""
-    if is_records(unit["path"]):
+    if is_records(unit):
         return record_pieces(unit, field, val_fraction, limit)
     return text_pieces(unit, val_fraction, limit)
 
@@ -441,7 +446,7 @@ def hf_files(name: str, config: str | None, split: str) -> list[str]:
         folder = os.path.join(folder, split)
     if os.path.exists(os.path.join(folder, "state.json")):
         with open(os.path.join(folder, "state.json")) as f:
-            return [os.path.abspath(os.path.join(folder, d["filename"])) for d in json.load(f)["_data_files"]]
+            return [os.path.realpath(os.path.join(folder, d["filename"])) for d in json.load(f)["_data_files"]]
     try:
         import datasets  # noqa: PLC0415 - optional dependency: only hf: sources need it
     except ImportError:
@@ -452,8 +457,9 @@ def hf_files(name: str, config: str | None, split: str) -> list[str]:
         raise DataError(f"cannot load hf:{name}: {err}") from None
     if split not in files:
         raise DataError(f"hf:{name} has no split {split!r} (--hf_split); its splits: {', '.join(files)}")
-    found = [path if "://" in path else os.path.abspath(path) for path in files[split]]
-    other = [path for path in found if not is_records(path)]
+    found = [path if "://" in path else os.path.realpath(path) for path in files[split]]
+    other = [path for path in found if not set(formats.suffixes(path)) & {
+        ".parquet", ".arrow", ".feather", *formats.JSON_LINES_SUFFIXES}]
     if other:
         raise DataError(f"hf:{name}: {other[0]} is no Parquet, JSON Lines or Arrow file, which prepare reads")
     return found
@@ -461,10 +467,5 @@ def hf_files(name: str, config: str | None, split: str) -> list[str]:
 
 def _cut(text: str) -> list[str]:
     """A text held in memory in pieces of about PIECE_BYTES, cut where `text_pieces` cuts."""
-    if len(text) <= PIECE_BYTES:
-        return [text]
-    pieces, start = [], 0
-    while (match := _CUT.search(text, start + PIECE_BYTES)) is not None:
-        pieces.append(text[start : match.end()])
-        start = match.end()
-    return pieces + [text[start:]]
+    pieces = _Pieces()
+    return [*pieces.add(text), pieces.rest()]

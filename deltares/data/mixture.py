@@ -5,7 +5,8 @@ drawn by grain's deterministic mixing (`MapDataset.mix`) from the sources' own s
 so the proportions hold over any stretch of batches, a resumed run reads the batches an
 uninterrupted one would, and each process still takes its own rows. The sources must share a
 tokenizer (its fingerprint), a token dtype and an end-of-text id. Validation draws windows from
-every source in the same proportions.
+every source in the same proportions. Each source is named as every input is (deltares.common.inputs:
+`~` expanded, a path that exists taken literally); one named twice (also through a symlink) is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grain
 import numpy as np
 
 from deltares.common.domains import POSITIVE
+from deltares.common.inputs import resolve_inputs, split_entries
 from deltares.data.dataset import TokenData
 from deltares.data.documents import DataError
 
@@ -21,7 +23,7 @@ from deltares.data.documents import DataError
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
     """`"a=0.7,b=0.3"` -> [("a", 0.7), ("b", 0.3)], weights normalised to sum to 1."""
     pairs = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
+    for part in split_entries(spec, "config.data.mixture"):
         path, sep, weight = part.rpartition("=")
         try:
             value = float(weight)
@@ -43,7 +45,10 @@ class Mixture:
 
     def __init__(self, spec: str, open_source=TokenData):
         self.spec = self.path = spec
-        self.sources = [(open_source(path), weight) for path, weight in parse_mixture(spec)]
+        pairs = parse_mixture(spec)
+        folders = resolve_inputs(",".join(path for path, _ in pairs), flag="config.data.mixture", want="folder",
+                                 globs=False, duplicates="refuse")
+        self.sources = [(open_source(folder), weight) for folder, (_, weight) in zip(folders, pairs)]
         first = self.sources[0][0]
         for data, _ in self.sources[1:]:
             for what, key in (("tokenizer", "tokenizer_fingerprint"), ("token dtype", "dtype"),

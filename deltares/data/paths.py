@@ -13,16 +13,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from collections.abc import Callable
 
 from etils import epath
 
+from deltares.common.outputs import contents, is_remote, resolve, staging  # noqa: F401 - shared with every layer
+
 
 BUCKET_PREFIXES = ("gs", "s3")  # URL schemes of buckets (epath; gcsfs for gs://, s3fs for s3://)
-
-
-def is_remote(path) -> bool:
-    return "://" in os.fspath(path)
 
 
 def run_dir(path) -> str:
@@ -55,50 +54,20 @@ def builtin_dataset_dir(workdir: str, tokenizer: str) -> str:
 
 # ----------------------------------------------------------------------------- replacing outputs
 
-STAGING_SUFFIX = ".partial"
-
-
-def staging(final) -> str:
-    """The folder beside `final` where a command builds what replaces it (`<final>.partial`)."""
-    return os.fspath(final).rstrip("/") + STAGING_SUFFIX
-
-
-def contents(path) -> str | None:
-    """What the local or bucket folder `path` holds, in words (a Hugging Face model, a dataset, a run, an
-    analysis, or its first files), or None when it is missing or empty."""
-    path = epath.Path(path)
-    if not path.exists():
-        return None
-    if not path.is_dir():
-        return "a file"
-    names = sorted(p.name for p in path.iterdir())
-    if not names:
-        return None
-    has = set(names)
-    if "config.json" in has and any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
-                                    for n in names):
-        return "a Hugging Face model"
-    if has & {"meta.json", "plan.json"}:
-        return "a dataset"
-    if has & {"checkpoints", "metrics.jsonl", "LOCK"}:
-        return "a run"
-    if "routing.json" in has:
-        return "an analysis"
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    return f"{len(names)} {'entry' if len(names) == 1 else 'entries'} ({shown})"
-
-
 def swap_in(built, final) -> None:
-    """Puts the finished folder `built` at `final`, deleting what `final` held only afterwards. Locally by
-    renames: the old folder is set aside, the new one renamed in (the old one is put back if that fails),
-    then the old one deleted. A bucket has no rename of a folder: the old one is deleted and the new one
-    moved (copied) in, so a failure in the move leaves the new one whole at `built`."""
+    """Puts the finished folder `built` at `final` (a local link's target: the link stays), deleting what
+    `final` held only afterwards. Locally by renames: the old folder is set aside, the new one renamed in
+    (the old one is put back if that fails), then the old one deleted; once the new one is in place
+    nothing raises (an old folder that cannot be deleted is a warning naming it). A bucket has no rename
+    of a folder: the old one is deleted and the new one moved (copied) in, so a failure in the move leaves
+    the new one whole at `built`."""
     built, final = epath.Path(built), epath.Path(final)
     if is_remote(final):
         if final.exists():
             final.rmtree()
         built.rename(final)
         return
+    final = epath.Path(os.path.realpath(final))
     if not final.exists():
         os.replace(built, final)
         return
@@ -109,22 +78,35 @@ def swap_in(built, final) -> None:
     except BaseException:
         os.replace(aside, final)
         raise
-    shutil.rmtree(aside) if os.path.isdir(aside) else os.remove(aside)
+    try:
+        shutil.rmtree(aside) if os.path.isdir(aside) else os.remove(aside)
+    except OSError as err:
+        print(f"warning: {os.fspath(final)} was replaced, but its old contents could not be deleted ({err}); "
+              f"delete {aside} yourself", file=sys.stderr)
 
 
-def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out") -> None:
-    """`write(folder)` fills a new, empty folder beside the local folder `out`, which gets it only once `write`
-    returns: a failure leaves `out` as it was and no partial folder. A non-empty `out` is refused before
-    `write` runs (FileExistsError, one line naming what it holds) unless `overwrite`."""
+def write_whole(out: str, write: Callable[[str], None], *, overwrite: bool, flag: str = "--out",
+                shown: str | None = None) -> None:
+    """`write(folder)` fills a new, empty folder beside the local folder `out` (a link's target), which gets it
+    only once `write` returns: a failure leaves `out` as it was and no partial folder. A non-empty `out` is
+    refused before `write` runs (FileExistsError, one line naming what it holds, `out` as the user gave it:
+    `shown`) unless `overwrite`; what may be written at all is deltares.common.outputs.check_output's to say,
+    before this."""
     held = contents(out)
     if held is not None and not overwrite:
-        raise FileExistsError(f"{flag} {out} holds {held}; pass --overwrite to replace it, or choose a new {flag}")
-    built = staging(out)
+        raise FileExistsError(f"{flag} {shown or out} holds {held}; pass --overwrite to replace it, or choose a new "
+                              f"{flag}")
+    final = resolve(out, flag)
+    built = staging(final)
     shutil.rmtree(built, ignore_errors=True)  # a killed command's leftover: never a whole output
     os.makedirs(built)
     try:
         write(built)
-        swap_in(built, out)
+    except BaseException:
+        shutil.rmtree(built, ignore_errors=True)
+        raise
+    try:
+        swap_in(built, final)
     except BaseException:
         shutil.rmtree(built, ignore_errors=True)
         raise

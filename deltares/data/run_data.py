@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Callable, NamedTuple
 
+from deltares.common.inputs import resolve_input
 from deltares.data.documents import BUILTIN, DataError
 from deltares.data.dataset import TokenData, train_iterator
 from deltares.data.mixture import Mixture, parse_mixture
@@ -50,8 +51,10 @@ def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print, t
     `config.model.vocab_size`."""
     if config["data"].get("mixture"):
         source = Mixture(config["data"]["mixture"])
-    else:
+    elif config["data"]["dataset"] == BUILTIN:
         source = TokenData(_prepared_dataset(config, workdir, log, through))
+    else:  # named as every input is (deltares.common.inputs): one line for a path that leads to no folder
+        source = TokenData(_dataset_folder(config["data"]["dataset"]))
     if config["data"]["tokenizer"] == FROM_HF and config.get("init_from_hf"):
         spec = run_tokenizer(config)
         if (want := _fingerprint(spec)) is not None and source.record()["tokenizer_sha256"] != want:
@@ -69,13 +72,22 @@ def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print, t
     return source
 
 
+def _dataset_folder(path: str) -> str:
+    """The real path of the folder `config.data.dataset` names; DataError naming the cause (and how to make
+    one, where there is none)."""
+    try:
+        return resolve_input(path, flag="config.data.dataset", want="folder")
+    except DataError as err:
+        if str(err).endswith("no such folder"):
+            raise DataError(f"{err}; prepare one with python -m deltares.data.prepare --out {path}") from None
+        raise
+
+
 def _prepared_dataset(config, workdir: str, log: Callable[[str], None], through: str | None = None) -> str:
-    """The run's prepared dataset (run_dataset_path), the built-in corpus prepared there on first use
-    (written through `through`, a path to the same run directory). A built-in corpus prepared otherwise
-    than the config asks (another tokenizer, another source) is refused (DataError), never trained on."""
+    """The run's built-in corpus (run_dataset_path), prepared there on first use (written through `through`,
+    a path to the same run directory). One prepared otherwise than the config asks (another tokenizer,
+    another source) is refused (DataError), never trained on."""
     path = run_dataset_path(config, workdir)
-    if config["data"]["dataset"] != BUILTIN:
-        return path
     tokenizer = run_tokenizer(config)
     if differences := _builtin_differences(path, tokenizer):
         raise DataError(
@@ -84,8 +96,9 @@ def _prepared_dataset(config, workdir: str, log: Callable[[str], None], through:
         )
     if not os.path.exists(os.path.join(path, "meta.json")):
         log(f"preparing the built-in corpus with tokenizer {tokenizer} into {path}")
-        prepare(BUILTIN, tokenizer, run_dataset_path(config, through or workdir), val_fraction=BUILTIN_VAL_FRACTION,
-                progress=False)
+        through = through or workdir
+        prepare(BUILTIN, tokenizer, run_dataset_path(config, through), val_fraction=BUILTIN_VAL_FRACTION,
+                progress=False, run=through)
     return path
 
 

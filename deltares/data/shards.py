@@ -26,21 +26,12 @@ from typing import NamedTuple
 import numpy as np
 
 from deltares.data import paths
-from deltares.data.documents import DataError
+from deltares.common.inputs import DataError, bucket_filesystem
 
 
 class Shard(NamedTuple):
     path: str  # local path or URL
     tokens: int
-
-
-def _filesystem(url: str):
-    import fsspec  # noqa: PLC0415 - buckets only
-
-    try:
-        return fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as err:
-        raise DataError(f"cannot read {url}: {err} (gs:// needs gcsfs, s3:// needs s3fs)") from None
 
 
 class Tokens:
@@ -53,11 +44,11 @@ class Tokens:
         self.remote = bool(self.shards) and paths.is_remote(self.shards[0].path)
         self._check_sizes()
         self._maps = {} if not self.remote else None
-        self._fs = _filesystem(self.shards[0].path)[0] if self.remote else None
+        self._fs = bucket_filesystem(self.shards[0].path)[0] if self.remote else None
 
     def _check_sizes(self) -> None:
         if self.remote:
-            fs = _filesystem(self.shards[0].path)[0]
+            fs = bucket_filesystem(self.shards[0].path)[0]
             listed = {}
             for directory in {os.path.dirname(s.path) for s in self.shards}:
                 try:

@@ -9,10 +9,15 @@
 
 Every tokenizer serialises to JSON (`to_json`) so a prepared dataset records
 exactly the tokenizer that made it.
+
+Documents are text: `encode_texts` (what prepare, eval and analyze encode with) reads the strings of
+the tokenizer's added tokens (`<|endoftext|>`, `<|im_start|>`, ...) in a document as the ordinary text
+they spell, so end-of-text comes only where a document ends. `encode` (prompts) keeps them special.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -62,6 +67,23 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
 
+    @functools.cached_property
+    def _as_text(self) -> tokenizers.Tokenizer:
+        """A copy that reads the strings of every added token as the text they spell (each marked special,
+        and special tokens encoded as text); the tokenizer itself when it has none (GPT-2's)."""
+        if not self.tok.get_added_tokens_decoder():
+            return self.tok
+        data = json.loads(self.tok.to_str())
+        for token in data.get("added_tokens") or []:
+            token["special"] = True
+        tok = tokenizers.Tokenizer.from_str(json.dumps(data))
+        tok.encode_special_tokens = True
+        return tok
+
+    def encode_text_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, the strings of added tokens in it read as ordinary text."""
+        return [e.ids for e in self._as_text.encode_batch_fast(texts, add_special_tokens=False)]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
@@ -70,9 +92,10 @@ class HFTokenizer:
 
 
 def encode_texts(texts: list[str], tokenizer) -> list[list[int]]:
-    """Token ids of each text, batched where the tokenizer can."""
-    if hasattr(tokenizer, "encode_batch"):
-        return tokenizer.encode_batch(texts)
+    """Token ids of each text of documents, batched where the tokenizer can: the strings of the tokenizer's
+    added tokens read as ordinary text (see the module docstring)."""
+    if hasattr(tokenizer, "encode_text_batch"):
+        return tokenizer.encode_text_batch(texts)
     return [tokenizer.encode(text) for text in texts]
 
 

@@ -11,7 +11,8 @@ width]); each letter means one thing across deltares/ and kernels_pallas/:
     F  MLP width (d_ff)
     V  vocabulary
     L  layers
-    J  routers (sublayers: two per layer)
+    U  units of a scanned stack (one layer each, or one repeat of a layer pattern)
+    J  routers (sublayers: two per layer by default, any number in a DepthStack)
     S  sources of depth routing (the embedding and the sublayers' outputs a router mixes)
     H  query heads
     K  key/value heads
@@ -30,5 +31,7 @@ from deltares.nn.model import Transformer
 from deltares.nn.routed import DepthRouting
 from deltares.nn.routing import depth_route
 from deltares.nn.stack import DepthStack
+from deltares.nn.weights import layer_params, stack_params
 
-__all__ = ["BLOCK_MODES", "MODES", "Mode", "DepthRouter", "DepthRouting", "DepthStack", "Transformer", "depth_route", "model_config"]
+__all__ = ["BLOCK_MODES", "MODES", "Mode", "DepthRouter", "DepthRouting", "DepthStack", "Transformer", "depth_route",
+           "layer_params", "model_config", "stack_params"]

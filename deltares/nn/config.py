@@ -91,8 +91,9 @@ MODEL_FIELDS = (
           "(default): one scan, every router reading all slots (masked)"),
     Field("residual.impl", "auto", str, ROUTING_IMPLS, "depth routing: auto (default: the fastest measured on the "
           "platform: the fused Triton kernel per sublayer on NVIDIA GPUs without remat, xla elsewhere, under remat "
-          "and for two-phase routing's phase one), xla, or the fused Pallas kernel (pallas: the target platform's; no routing weights; a null "
-          "source only with two-phase routing)"),
+          "and for two-phase routing's phase one), xla, or a fused Pallas kernel (pallas: the target platform's; pallas_tpu, "
+          "pallas_gpu: Triton, pallas_mosaic_gpu: Mosaic GPU, which takes unrolled layers' sources as separate "
+          "operands; no routing weights; a null source only with two-phase routing)"),
     Field("residual.interpret", False, bool, None, "run the Pallas kernels (depth routing, splash attention) in "
           "interpret mode (CPU tests)"),
     Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "
@@ -199,9 +200,25 @@ def describe(fields, prefix: str) -> str:
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
-    """A `config.model` with Qwen3 defaults (MODEL_FIELDS); `overrides` set any field
-    (`residual=dict(...)` its residual fields). Unless given, the block size is at most the depth,
-    so that a small model (`model_config(n_layers=2)`) is valid as it stands."""
+    """A `config.model` for `Transformer` with Qwen3 defaults (MODEL_FIELDS; the config reference
+    lists every field). Unless given, the block size is at most the depth, so that a small model
+    (`model_config(n_layers=2)`) is valid as it stands.
+
+    Args:
+        **overrides: any field (`d_model=64`), and `residual=dict(...)` the residual scheme's fields
+            (`mode`, `block_layers`, `gate`, ...).
+
+    Returns:
+        An `ml_collections.ConfigDict`.
+
+    Example:
+        ```python
+        from deltares.nn import model_config
+
+        cfg = model_config(n_layers=4, d_model=128, residual=dict(mode="delta", group_layers=2))
+        print(cfg.n_layers, cfg.residual.mode, cfg.residual.block_layers)  # 4 delta 4
+        ```
+    """
     cfg = build_config(MODEL_FIELDS, overrides)
     if "block_layers" not in (overrides.get("residual") or {}):
         cfg.residual.block_layers = min(cfg.residual.block_layers, cfg.n_layers)

@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from deltares.nn import routing
 from deltares.nn.axes import SOURCES_AXES, STREAM_AXES, constrain
 from deltares.nn.config import BLOCK_MODES
+from deltares.nn.layers import PassedSources
 from deltares.nn.residual import ResidualPlan, Segment, row
 from kernels_pallas.depth_route.api import implementation_for
 
@@ -128,13 +129,16 @@ def _select(flag, a, b):
 
 def _window_start(plan: ResidualPlan, j):
     """Per-sublayer modes: the first slot written inside sublayer j's group."""
-    return (j // (2 * plan.group_layers)) * 2 * plan.group_layers + 1
+    P = plan.unit_size
+    return (j // (P * plan.group_layers)) * P * plan.group_layers + 1
 
 
-def group_window(plan: ResidualPlan, state: DepthState, first_layer):
-    """Per-sublayer modes: the 2G - 1 slots a group starting at `first_layer` writes and reads
-    inside itself (the last delta of a group is read by later groups only), and their 1/rms."""
-    start, size = 2 * first_layer + 1, 2 * plan.group_layers - 1
+def group_window(plan: ResidualPlan, state: DepthState, first_unit):
+    """Per-sublayer modes: the P G - 1 slots a group of G units of P sublayers starting at `first_unit`
+    writes and reads inside itself (the last delta of a group is read by later groups only), and
+    their 1/rms."""
+    P = plan.unit_size
+    start, size = P * first_unit + 1, P * plan.group_layers - 1
     return (jax.lax.dynamic_slice_in_dim(state.sources_SBTD, start, size),
             jax.lax.dynamic_slice_in_dim(state.inv_rms_SBT, start, size))
 
@@ -156,14 +160,18 @@ def _intra_sources(plan: ResidualPlan, state: DepthState, j, prefix: Prefix, eps
         return p_BTD[None], p_inv_BT[None], jnp.asarray(plan.intra_read.any(axis=1))[j][None]
     window, window_inv = prefix.window_SBTD, prefix.window_inv_SBT
     if window is None:
-        window, window_inv = group_window(plan, state, _window_start(plan, j) // 2)
+        start = _window_start(plan, j)  # its group's first unit: (start - 1) / P
+        window, window_inv = group_window(plan, state, start // plan.unit_size if plan.unit_size > 1 else start - 1)
+    if not window.shape[0]:  # groups of one one-sublayer unit: nothing written inside the group
+        return state.h_BTD[None], jnp.ones_like(state.inv_rms_SBT[:1]), jnp.zeros(1, bool)
     return window, window_inv, jnp.arange(window.shape[0]) < j + 1 - _window_start(plan, j)
 
 
 def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source: bool = False,
                    eps: float = routing.NORM_EPS, final: bool = False, prefix: Prefix | None = None):
     """Sublayer j's input x_j (docs/explanations/modes.md) and its routing: returns (x_BTD, weights_SBT or
-    None, routed). `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
+    None, routed, state). The state is `state`, or where a kernel passed listed sources through
+    (`deltares.nn.layers.PassedSources`) the state holding those, for later sublayers to route over. `router(sources, inv_rms, valid, residual) -> (out, weights)` is a DepthRouter
     (linen or NNX) or `apply_router` on parameters; `j` may be traced (a scanned layer).
 
         x_j = h_j                  baseline, or an additive sublayer with a single source
@@ -175,17 +183,21 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
     `prefix` (two-phase routing): the routing over the slots before j's group,
     merged with j's intra-group sources; the weights then cover those sources only."""
     if not plan.uses_sources:
-        return state.h_BTD, None, jnp.asarray(False)
+        return state.h_BTD, None, jnp.asarray(False), state
     routed = row(plan.routed | null_source, j, state.segment)
     residual = None if plan.replaces_stream else state.h_BTD
     if prefix is not None:
         sources, inv, valid = _intra_sources(plan, state, j, prefix, eps)
         x_BTD, weights_SBT = router(sources, inv, valid, residual, prefix=(prefix.out_BTD, prefix.lse_BT))
-        return _saveable((x_BTD if residual is None else jnp.where(routed, x_BTD, state.h_BTD)), routed), weights_SBT, routed
+        return (_saveable((x_BTD if residual is None else jnp.where(routed, x_BTD, state.h_BTD)), routed), weights_SBT,
+                routed, state)
     sources, inv = routing_sources(plan, state, j, eps, final)
     if isinstance(j, int):  # unrolled (listed or not): only the slots up to the last one j reads
         n = int(plan.read[j].nonzero()[0].max()) + 1
         x_BTD, weights_SBT = router(sources[:n], inv[:n], plan.read[j][:n], residual)
+        if isinstance(weights_SBT, PassedSources):  # later sublayers route over what the kernel passed through
+            state = state._replace(sources_SBTD=tuple(weights_SBT) + tuple(state.sources_SBTD[n:]))
+            weights_SBT = None
     else:
         n = sources.shape[0]  # within a segment, its first n_read slots
         x_BTD, weights_SBT = router(sources, inv, row(plan.read, j, state.segment)[:n], residual)
@@ -193,7 +205,7 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
         weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     if residual is not None:  # single source: no routing, x = h
         x_BTD = _select(routed, x_BTD, state.h_BTD)
-    return x_BTD, weights_SBT, routed
+    return x_BTD, weights_SBT, routed, state
 
 
 ROUTED_INPUT = "routed_input"  # the name remat policies save a two-phase sublayer input by (config.REMAT_POLICIES)
@@ -248,29 +260,49 @@ def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
     return out_BTD
 
 
+class Outputs(NamedTuple):
+    """What a unit returns beside its depth state (`depth_scan`'s `layer_fn`), when some of it is
+    differentiated: `sublayers`, one pytree (or None) per sublayer of the unit, whose cotangent reaches
+    that sublayer's parameters and inputs (an auxiliary loss, a returned value the loss reads), and
+    `rest`, anything else (statistics, written collections), which carries no gradient."""
+
+    sublayers: tuple
+    rest: Any = None
+
+
 def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: ResidualPlan, unroll: bool = False,
                eps: float = routing.NORM_EPS, queries_fn: Callable | None = None, impl: str = "xla",
-               interpret: bool = False, consts: Any = None):
-    """Runs `layer_fn(params_l, state, l) -> (state, stats_l)` over the L stacked layers of
-    `params_L`; returns (final state, stacked stats). Differentiable in params and state.
+               interpret: bool = False, consts: Any = None, tail_params: Any = None):
+    """Runs `layer_fn(params_u, state, u) -> (state, out_u)` over the plan's units (`ResidualPlan`:
+    one layer each, or one repeat of a layer pattern): the `plan.n_units` whole units whose
+    parameters `params_L` are stacked on a leading axis, scanned, then, where the plan has a
+    remainder (`plan.tail_size`), the remainder unit on `tail_params`, called with u = n_units (a
+    Python int). Returns (final state, the units' outs stacked), with a remainder (final state,
+    (the whole units' outs stacked, the remainder's out)). Differentiable in the parameters and
+    the state; an out is not (statistics), except the `sublayers` of an `Outputs`.
 
     The backward pass (`_sublayer_backward`) differentiates sublayer by sublayer over the final
-    buffer with `layer_fn(params_l, state, l, only=k) -> (v, 1/rms(v))` (sublayer k of layer l
-    alone on a state holding the final buffer, `sublayer_input(..., final=True)`, writing nothing).
-    Per layer, the forward pass saves its input stream in the block modes, nothing in the others.
-    `unroll` unrolls both scans (the same program without loops); `eps` is the 1/rms epsilon.
+    buffer with `layer_fn(params_u, state, u, only=k) -> (v, 1/rms(v))` (sublayer k of unit u
+    alone on a state holding the final buffer, `sublayer_input(..., final=True)`, writing nothing),
+    or, where the unit's out is an `Outputs` whose entry k is not None, (v, 1/rms(v), that entry).
+    Per unit, the forward pass saves its input stream in the block modes (and its block's start
+    where a block may open inside a unit), nothing in the others. `unroll` unrolls both scans (the
+    same program without loops); `eps` is the 1/rms epsilon.
 
-    With `queries_fn(params_l) -> (query [2, D], gain [2, D])` (the layer's two routers), routing
-    is two-phase over groups of `plan.group_layers` layers (`_grouped_forward`): `layer_fn` is then
-    also called with `prefix=` a `Prefix` of the layer's two sublayers (leading axis 2). Phase one
-    routes with `impl` (`layers.route_prefix`: xla or the fused K-query kernel, `interpret` for tests).
+    With `queries_fn(params_u) -> (query [P, D], gain [P, D])` (the unit's P routers), routing
+    is two-phase over groups of `plan.group_layers` units (`_grouped_forward`): `layer_fn` is then
+    also called with `prefix=` a `Prefix` of the unit's sublayers (leading axis P); the remainder
+    unit routes one pass per sublayer. Phase one routes with `impl` (`layers.route_prefix`: xla
+    or the fused K-query kernel, `interpret` for tests).
 
-    `consts` (a pytree, or None): values every layer reads but that are not differentiated (rng
+    `consts` (a pytree, or None): values every unit reads but that are not differentiated (rng
     keys, a cache, batch statistics), passed to `layer_fn` as `consts=` in both passes. They must
     come in here rather than in `layer_fn`'s closure: a closure over a value traced by an outer
     transformation (NNX's gradient passes a module's whole state) would leak it into the backward."""
     group_prefix = prefix_grad = None
     outer_layer_fn = layer_fn
+    tail = plan.segments[-1] if plan.tail_size else None
+    main_segments = plan.segments[:-1] if tail is not None else plan.segments
 
     def bind(consts):
         return outer_layer_fn if consts is None else functools.partial(outer_layer_fn, consts=consts)
@@ -282,48 +314,75 @@ def depth_scan(layer_fn: Callable, params_L: Any, state: DepthState, plan: Resid
             prefix_grad = functools.partial(_group_prefix_grad_into, queries_fn, impl=impl, interpret=interpret,
                                             eps=eps)
 
-    def forward(params_L, state, consts):
+    def forward(params_L, tail_params, state, consts):
         layer_fn = bind(consts)
-        if group_prefix is not None:
-            h_0 = state.h_BTD
-            final, stats, h_L = _grouped_forward(layer_fn, group_prefix, params_L, state, plan, unroll)
-            return (final, stats), (params_L, h_L, final, h_0, consts)
-
         h_0 = state.h_BTD
-        stats, h_L = [], []  # per segment: the layers' statistics and input streams (block modes)
-        for seg in plan.segments:
-            def body(state, xs, seg=seg):
-                params_l, layer = xs
-                h_l = state.h_BTD if _saves_streams(plan) else None
-                state, stats = layer_fn(params_l, state._replace(segment=seg), layer)
-                return state._replace(segment=None), (stats, h_l)
+        if group_prefix is not None:
+            state, outs, h_L = _grouped_forward(layer_fn, group_prefix, params_L, state, plan, unroll)
+        else:
+            outs, h_L = [], []  # per segment: the units' outs and saved streams (block modes)
+            for seg in main_segments:
+                def body(state, xs, seg=seg):
+                    params_u, u = xs
+                    record = _unit_record(plan, seg, state)
+                    state, out = layer_fn(params_u, state._replace(segment=seg), u)
+                    return state._replace(segment=None), (out, record)
 
-            state, (stats_s, h_s) = jax.lax.scan(body, state, (_segment_of(params_L, seg), _layers_of(seg)),
-                                                 unroll=unroll)
-            stats.append(stats_s)
-            h_L.append(h_s)
-        stats = jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
-        return (state, stats), (params_L, tuple(h_L), state, h_0, consts)
+                state, (outs_s, h_s) = jax.lax.scan(body, state, (_segment_of(params_L, seg), _layers_of(seg)),
+                                                    unroll=unroll)
+                outs.append(outs_s)
+                h_L.append(h_s)
+            outs, h_L = jax.tree.map(lambda *a: jnp.concatenate(a), *outs), tuple(h_L)
+        tail_record = None
+        if tail is not None:  # the remainder unit, on its own
+            tail_record = _unit_record(plan, tail, state)
+            state, tail_out = layer_fn(tail_params, state._replace(segment=tail), plan.n_units)
+            state, outs = state._replace(segment=None), (outs, tail_out)
+        return (state, outs), (params_L, tail_params, h_L, tail_record, state, h_0, consts)
 
     def backward(residuals, cotangents):
-        params_L, h_L, final, h_0, consts = residuals
+        params_L, tail_params, h_L, tail_record, final, h_0, consts = residuals
         layer_fn = bind(consts)
-        d_final, _ = cotangents  # statistics carry no gradient
+        d_final, d_outs = cotangents
+        d_outs, d_tail_out = d_outs if tail is not None else (d_outs, None)
+        block = plan.mode in BLOCK_MODES
         with nn.logical_axis_rules(rules):
             streams = h_L if _saves_streams(plan) else _stream_checkpoints(plan, final, h_0, unroll)
+            carry = d_tail_params = None
+            if tail is not None:  # the remainder first, on its own, one pass per sublayer
+                carry = (d_final.h_BTD, _buffer_cotangent(d_final), d_final.inv_rms_SBT,
+                         d_final.h_block_BTD if block else None, None)
+                (d_h, d_sources, d_inv, d_block, _), d_tail_params = _unit_backward(
+                    layer_fn, plan, tail, final, streams, None, tail_params, plan.n_units, tail_record,
+                    _sublayer_cotangents(d_tail_out), carry, eps)
+                carry = (d_h, d_sources, d_inv, d_block)
             if group_prefix is not None:
                 d = _grouped_backward(layer_fn, group_prefix, params_L, streams, final, d_final, plan, unroll,
-                                      eps, prefix_grad)
+                                      eps, prefix_grad, carry, _sublayer_cotangents(d_outs))
             else:
-                d = _sublayer_backward(layer_fn, params_L, streams, final, d_final, plan, unroll, eps)
-        return d + (jax.tree.map(_zero_cotangent, consts),)
+                d = _sublayer_backward(layer_fn, params_L, streams, final, d_final, plan, unroll, eps, carry,
+                                       _sublayer_cotangents(d_outs))
+        return (d[0], d_tail_params, d[1], jax.tree.map(_zero_cotangent, consts))
 
     @jax.custom_vjp
-    def run(params_L, state, consts):
-        return forward(params_L, state, consts)[0]
+    def run(params_L, tail_params, state, consts):
+        return forward(params_L, tail_params, state, consts)[0]
 
     run.defvjp(forward, backward)
-    return run(params_L, state, consts)
+    return run(params_L, tail_params, state, consts)
+
+
+def _sublayer_cotangents(d_out):
+    """The differentiated part of a unit's out's cotangent (`Outputs.sublayers`), else None."""
+    return d_out.sublayers if isinstance(d_out, Outputs) else None
+
+
+def _unit_record(plan: ResidualPlan, seg: Segment, state: DepthState):
+    """What the forward pass saves of a unit for the backward pass: block modes its input stream
+    (and, where `seg.block_start`, its block's start), nothing in the others."""
+    if not _saves_streams(plan):
+        return None
+    return (state.h_BTD, state.h_block_BTD) if seg.block_start else state.h_BTD
 
 
 def _zero_cotangent(x):
@@ -334,54 +393,60 @@ def _zero_cotangent(x):
 
 
 def _saves_streams(plan: ResidualPlan) -> bool:
-    """Whether the forward pass saves each layer's input stream for the backward pass: the block
+    """Whether the forward pass saves each unit's input stream for the backward pass: the block
     modes do; in the per-sublayer modes the final buffer holds every delta, and the streams are
     recomputed from it (`_stream_checkpoints`)."""
     return plan.mode in BLOCK_MODES
 
 
 class _Streams(NamedTuple):
-    """The per-sublayer modes' layer inputs, recomputed in the backward pass: the stream at every
-    `STREAM_CHECKPOINT_EVERY`-th layer, and the final buffer whose slots hold the deltas added in between."""
+    """The per-sublayer modes' unit inputs, recomputed in the backward pass: the stream at every
+    `STREAM_CHECKPOINT_EVERY`-th unit, and the final buffer whose slots hold the deltas added in between."""
 
     checkpoints_CBTD: jax.Array
     sources_SBTD: jax.Array
     write: np.ndarray
+    unit_size: int = 2
 
 
-STREAM_CHECKPOINT_EVERY = 2  # per-sublayer modes: layers per saved stream in the backward pass
+STREAM_CHECKPOINT_EVERY = 2  # per-sublayer modes: units per saved stream in the backward pass
 
 
 def _stream_checkpoints(plan: ResidualPlan, final: DepthState, h_0, unroll: bool = False) -> _Streams:
-    """The stream at layers 0, k, 2k, ... (k = `STREAM_CHECKPOINT_EVERY`), from the initial stream
+    """The stream at units 0, k, 2k, ... (k = `STREAM_CHECKPOINT_EVERY`), from the initial stream
     `h_0` and the final buffer by the forward pass's own additions h_{j+1} = h_j + v_j, in its
-    order: bit for bit the streams it ran on. Saving L / k streams instead of L (2.25 GiB less per
+    order: bit for bit the streams it ran on. Saving U / k streams instead of U (2.25 GiB less per
     device for delta at 7.6B) costs 2(k - 1) additions of a slot per layer (`_stream_at`); k is
     fixed so that each layer costs the same at any depth (the step-time estimate fits per-layer
     costs from shallow compiles; with k = 4, 1.1 GiB less memory at 7.6B, it fit them worse).
-    `unroll`: the walk over the layers unrolled."""
+    `unroll`: the walk over the units unrolled."""
     k = STREAM_CHECKPOINT_EVERY
-    write = jnp.asarray(plan.write)
+    P = plan.unit_size
+    n_units = plan.n_units + (plan.tail_size > 0)  # the remainder's input stream too
+    table = plan.write if n_units * P == len(plan.write) else np.r_[plan.write, [plan.write[-1]] * (
+        n_units * P - len(plan.write))]  # the remainder's missing sublayers add after its own (unread)
+    write = jnp.asarray(table)
 
     def layer(carry, l):
         h, checkpoints = carry
         l = jax.lax.optimization_barrier(l)  # unrolled too, every layer does the same work (`_stream_at`)
         c = l // k  # the stream enters its chunk's slot at the chunk's first layer
         checkpoints = checkpoints.at[c].set(jnp.where(l % k == 0, h, checkpoints[c]))
-        for j in (2 * l, 2 * l + 1):
+        for j in [P * l] + [P * l + i for i in range(1, P)]:
             h = h + final.sources_SBTD[write[j]].astype(h.dtype)
         return (h, checkpoints), None
 
     # the checkpoints start as copies of h_0: a broadcast constant XLA would sink into the loop
-    checkpoints = jnp.broadcast_to(h_0, (-(-plan.n_layers // k),) + h_0.shape)
-    (_, checkpoints), _ = jax.lax.scan(layer, (h_0, checkpoints), jnp.arange(plan.n_layers), unroll=unroll)
-    return _Streams(checkpoints, final.sources_SBTD, plan.write)
+    checkpoints = jnp.broadcast_to(h_0, (-(-n_units // k),) + h_0.shape)
+    (_, checkpoints), _ = jax.lax.scan(layer, (h_0, checkpoints), jnp.arange(n_units), unroll=unroll)
+    return _Streams(checkpoints, final.sources_SBTD, plan.write, P)
 
 
 def _stream_at(streams: _Streams, layer):
-    """Layer `layer`'s input stream: its checkpoint plus the deltas of the sublayers since, added in
-    the forward pass's order (a fixed number of steps, those past the layer masked)."""
+    """Unit `layer`'s input stream: its checkpoint plus the deltas of the sublayers since, added in
+    the forward pass's order (a fixed number of steps, those past the unit masked)."""
     k = STREAM_CHECKPOINT_EVERY
+    P = streams.unit_size
     # a layer index known to XLA (unrolled layers) would fold the masks away, and the additions
     # would differ from layer to layer: in a scanned program, which this one estimates, they do not
     layer = jax.lax.optimization_barrier(layer)
@@ -389,16 +454,129 @@ def _stream_at(streams: _Streams, layer):
     h = streams.checkpoints_CBTD[layer // k]
 
     def add(i, h):
-        j = 2 * first + i
+        j = P * first + i
         slot = jnp.asarray(streams.write)[jnp.minimum(j, len(streams.write) - 1)]
-        return jnp.where(j < 2 * layer, h + streams.sources_SBTD[slot].astype(h.dtype), h)
+        return jnp.where(j < P * layer, h + streams.sources_SBTD[slot].astype(h.dtype), h)
 
-    return jax.lax.fori_loop(0, 2 * (k - 1), add, h, unroll=True)
+    return jax.lax.fori_loop(0, P * (k - 1), add, h, unroll=True)
+
+
+def _flag(plan: ResidualPlan, table: np.ndarray, u, k: int, seg: Segment | None, j=None):
+    """`row(table, j, seg)` of a bool table for sublayer j (default unit_size * u + k), at position k of
+    unit u; a NumPy False where the table is False at position k of every unit of `seg` (default: the
+    whole units), so that the step is not traced."""
+    P = plan.unit_size
+    first, count = (seg.first_sublayer, seg.n_sublayers) if seg is not None else (0, plan.n_units * P)
+    if not isinstance(u, (int, np.integer)) and not table[first + k: first + count: P].any():
+        return np.False_
+    return row(table, P * u + k if j is None else j, seg)
+
+
+def _unit_backward(layer_fn, plan: ResidualPlan, seg: Segment, final: DepthState, streams, h_seg, params_u, u, record,
+                   d_out, carry, eps: float):
+    """The backward pass of unit u (of segment `seg`): its sublayers' input streams recomputed (block
+    modes: from the saved stream, each sublayer's forward under `jax.vjp`; per-sublayer modes: from
+    the final buffer's deltas), then `_layer_backward`. `record`: what the forward saved of the unit
+    (`_unit_record`); `h_seg`: the segment's saved streams (block modes: the block's start, where it
+    opened in the segment); `d_out`: the cotangents of the unit's `Outputs.sublayers`, or None.
+    Returns (carry, the unit's d params)."""
+    block = plan.mode in BLOCK_MODES
+    P = seg.n_sublayers // seg.n_units
+    d_h, d_sources, d_inv, d_block, _ = carry
+    h_block = None
+    if block:
+        if seg.block_start:
+            h_l, h_block = record
+        else:  # segments hold whole blocks: the block's first unit is in this one
+            h_l = record
+            table = np.repeat(plan.block_start_unit[: plan.n_units], P)
+            h_block = h_seg[row(table, plan.unit_size * u, seg) - seg.first]
+    else:
+        h_l = _stream_at(streams, u)
+    n = seg.n_read
+
+    def delta(p, h, sources, inv, h_block, k):
+        return layer_fn(p, DepthState(h, sources, inv, h_block, seg), u, only=k)
+
+    # the VJP is with respect to the slots the segment reads: its cotangent updates those only.
+    # Sliced from a start that depends on the unit (0 always), so that the slice is read in
+    # place by each unit rather than hoisted out of the loop as a copy per segment.
+    start = jnp.minimum(u, 0)
+    primals = (jax.lax.dynamic_slice_in_dim(final.sources_SBTD, start, n),
+               jax.lax.dynamic_slice_in_dim(final.inv_rms_SBT, start, n))
+    if block and seg.block_start:  # the block may open at the unit's first sublayer
+        h_block = _select(_flag(plan, plan.opens_block, u, 0, seg), h_l, h_block)
+    hs, h_blocks, forward_vjps, vs, slots, v_invs = [h_l], [h_block], [], [], [], []
+    for k in range(P - 1):  # the sublayers' inputs: h_{k+1} = h_k + v_k
+        if block:
+            v, vjp_k = jax.vjp(lambda p, h, *rest, k=k: delta(p, h, *rest, k), params_u, hs[k], *primals,
+                               h_blocks[k])
+            v = v[0]
+            forward_vjps.append(vjp_k)
+        else:
+            slot = row(plan.write, plan.unit_size * u + k, seg) if k else row(plan.write, plan.unit_size * u, seg)
+            v, v_inv = final.sources_SBTD[slot], final.inv_rms_SBT[slot]
+            slots.append(slot)
+            v_invs.append(v_inv)
+        hs.append(hs[k] + v.astype(h_l.dtype))
+        if block:
+            opens = _flag(plan, plan.opens_block, u, k + 1, seg)
+            h_blocks.append(_select(opens, hs[k + 1], h_blocks[k]))
+        else:
+            h_blocks.append(h_block)
+            vs.append(v)
+
+    def vjp_of(k, h_in, h_block):
+        if block or k == 0:
+            return jax.vjp(lambda p, h, *rest: delta(p, h, *rest, k), params_u, h_in, *primals, h_block)[1]
+        # a later sublayer reads its unit-mates' slots as inputs of its own, whose cotangents are then
+        # their slot cotangents with no read of an updated buffer (`absorb`)
+        is_mate = [jnp.arange(n) == slots[i] for i in range(k)]
+
+        def sublayer(p, h, sources, inv, *rest):
+            vs, invs, h_block = rest[:k], rest[k: 2 * k], rest[2 * k]
+            for i in range(k):
+                sources = jnp.where(is_mate[i][:, None, None, None], vs[i][None], sources)
+            for i in range(k):
+                inv = jnp.where(is_mate[i][:, None, None], invs[i][None], inv)
+            return delta(p, h, sources, inv, h_block, k)
+        return jax.vjp(sublayer, params_u, h_in, *primals, *vs[:k], *v_invs[:k], h_block)[1]
+
+    def absorb(acc, d_reads):
+        """The reads' cotangents into the buffer's (the segment's slots). A later sublayer's reads
+        also give the cotangents of its unit-mates' slots (read apart, `vjp_of`), each added to the
+        buffer's from before any update of this unit: read back from the updated buffer, it had XLA
+        write that update out as one more buffer-sized array."""
+        d_sources, d_inv, mates = acc
+        d_src, d_inv_k, *d_mates = d_reads
+        if d_mates:
+            m, mates = len(d_mates) // 2, list(mates)
+            for i in range(m):
+                base = mates[i]
+                if base is None:
+                    mates[i] = (d_sources[slots[i]] + d_mates[i].astype(d_sources.dtype),
+                                d_inv[slots[i]] + d_mates[m + i])
+                else:
+                    mates[i] = (base[0] + d_mates[i].astype(d_sources.dtype), base[1] + d_mates[m + i])
+            mates = tuple(mates)
+        return d_sources.at[:n].add(d_src), d_inv.at[:n].add(d_inv_k), mates
+
+    def slot_cotangent(acc, k, slot):
+        d_sources, d_inv, mates = acc
+        return mates[k] if mates[k] is not None else (d_sources[slot], d_inv[slot])
+
+    d_h, d_block, d_params_u, (d_sources, d_inv, _) = _layer_backward(
+        plan, seg, u, P, hs, h_blocks, forward_vjps, vjp_of, absorb, slot_cotangent, final, d_h,
+        d_block, (d_sources, d_inv, (None,) * P), eps, d_out)
+    # slot 0's cotangent leaves the loop on its own: read from the loop's buffer after it, it
+    # had XLA lay that buffer out for the read (a relayout copy of it at the loop's entry)
+    return (d_h, d_sources, d_inv, d_block, d_sources[0]), d_params_u
 
 
 def _sublayer_backward(layer_fn, params_L, streams, final: DepthState, d_final: DepthState, plan: ResidualPlan,
-                       unroll: bool = False, eps: float = routing.NORM_EPS):
-    """The backward pass, sublayer by sublayer in reverse.
+                       unroll: bool = False, eps: float = routing.NORM_EPS, carry=None, d_outs=None):
+    """The backward pass of the whole units, sublayer by sublayer in reverse (`carry`: the
+    cotangents (stream, buffer, 1/rms, block start) after them; the remainder's backward ran first).
 
     Sublayer j reads the final buffer (slots from its own write slot on are masked out of its
     softmax; block modes read their partial from the stream, `routing_sources`) and the stream
@@ -407,80 +585,25 @@ def _sublayer_backward(layer_fn, params_L, streams, final: DepthState, d_final: 
     d_inv[write[j]]). In block modes a slot's value is c = h_end - h_block, written by the block's
     last sublayer: its cotangent (from later readers) goes to h_end there and, negated, to h_block;
     h_block's cotangent (also from every partial read) is added to the stream's at the sublayer
-    that opened the block. h_j is the layer input h_l (attention) or h_l + v_attn (MLP): h_l is
-    saved per layer (block modes, `streams` per segment) or recomputed from the final buffer
-    (per-sublayer modes, `streams` from `_stream_checkpoints`); v_attn is the final buffer's slot
-    (per-sublayer modes) or recomputed (block modes)."""
+    that opened the block. h_j is the unit's input h_u plus the deltas of its earlier sublayers: h_u
+    is saved per unit (block modes, `streams` per segment) or recomputed from the final buffer
+    (per-sublayer modes, `streams` from `_stream_checkpoints`); the deltas are the final buffer's
+    slots (per-sublayer modes) or recomputed (block modes)."""
     block = plan.mode in BLOCK_MODES
+    segments = plan.segments[:-1] if plan.tail_size else plan.segments
 
     def body(carry, xs, seg: Segment, h_seg):
-        d_h, d_sources, d_inv, d_block, _ = carry
-        params_l, layer, h_l = xs
-        h_block = None
-        if block:  # segments hold whole blocks: the block's first layer is in this one
-            h_block = h_seg[row(np.repeat(plan.block_start_layer, 2), 2 * layer, seg) - seg.first]
-        else:
-            h_l = _stream_at(streams, layer)
-        n = seg.n_read
+        params_u, u, record, d_out = xs
+        return _unit_backward(layer_fn, plan, seg, final, streams, h_seg, params_u, u, record, d_out, carry, eps)
 
-        def delta(p, h, sources, inv, h_block, k):
-            return layer_fn(p, DepthState(h, sources, inv, h_block, seg), layer, only=k)
-
-        # the VJP is with respect to the slots the segment reads: its cotangent updates those only.
-        # Sliced from a start that depends on the layer (0 always), so that the slice is read in
-        # place by each layer rather than hoisted out of the loop as a copy per segment.
-        start = jnp.minimum(layer, 0)
-        primals = (jax.lax.dynamic_slice_in_dim(final.sources_SBTD, start, n),
-                   jax.lax.dynamic_slice_in_dim(final.inv_rms_SBT, start, n), h_block)
-        if block:
-            v_attn, attn_vjp = jax.vjp(lambda p, h, *rest: delta(p, h, *rest, 0), params_l, h_l, *primals)
-            v_attn = v_attn[0]
-        else:
-            slot_attn = row(plan.write, 2 * layer, seg)
-            v_attn, inv_attn, attn_vjp = final.sources_SBTD[slot_attn], final.inv_rms_SBT[slot_attn], None
-
-        def vjp_of(k, h_in):
-            if block or k == 0:
-                return jax.vjp(lambda p, h, *rest: delta(p, h, *rest, k), params_l, h_in, *primals)[1]
-            # the MLP reads the attention's slot as an input of its own, whose cotangent is then the
-            # attention's slot cotangent with no read of an updated buffer (`absorb`)
-            is_attn = jnp.arange(n) == slot_attn
-
-            def mlp(p, h, sources, inv, v, v_inv, h_block):
-                sources = jnp.where(is_attn[:, None, None, None], v[None], sources)
-                return delta(p, h, sources, jnp.where(is_attn[:, None, None], v_inv[None], inv), h_block, k)
-            sources, inv, h_block = primals
-            return jax.vjp(mlp, params_l, h_in, sources, inv, v_attn, inv_attn, h_block)[1]
-
-        def absorb(acc, d_reads):
-            """The reads' cotangents into the buffer's (the segment's slots). The MLP's reads also
-            give the cotangent of the attention's slot (read apart, `vjp_of`); the attention's own
-            slot cotangent adds it to the buffer's from before the MLP's update: read back from the
-            updated buffer, it had XLA write that update out as one more buffer-sized array."""
-            d_sources, d_inv, _ = acc
-            d_src, d_inv_k, *d_attn = d_reads
-            attn_slot = None
-            if d_attn:  # the MLP of a per-sublayer mode
-                attn_slot = (d_sources[slot_attn] + d_attn[0].astype(d_sources.dtype), d_inv[slot_attn] + d_attn[1])
-            return d_sources.at[:n].add(d_src), d_inv.at[:n].add(d_inv_k), attn_slot
-
-        def slot_cotangent(acc, k, slot):
-            d_sources, d_inv, attn_slot = acc
-            return attn_slot if k == 0 and attn_slot is not None else (d_sources[slot], d_inv[slot])
-
-        d_h, d_block, d_params_l, (d_sources, d_inv, _) = _layer_backward(
-            plan, seg, layer, h_l, v_attn, attn_vjp, vjp_of, absorb, slot_cotangent, final, d_h, d_block,
-            (d_sources, d_inv, None), eps)
-        # slot 0's cotangent leaves the loop on its own: read from the loop's buffer after it, it
-        # had XLA lay that buffer out for the read (a relayout copy of it at the loop's entry)
-        return (d_h, d_sources, d_inv, d_block, d_sources[0]), d_params_l
-
-    d_block0 = d_final.h_block_BTD if block else None
-    carry = (d_final.h_BTD, _buffer_cotangent(d_final), d_final.inv_rms_SBT, d_block0, d_final.sources_SBTD[0])
+    if carry is None:
+        carry = (d_final.h_BTD, _buffer_cotangent(d_final), d_final.inv_rms_SBT, d_final.h_block_BTD if block else None)
+    d_h, d_sources, d_inv, d_block = carry
+    carry = (d_h, d_sources, d_inv, d_block, d_sources[0] if plan.tail_size else d_final.sources_SBTD[0])
     d_params = []
-    h_L = streams if block else (None,) * len(plan.segments)
-    for seg, h_seg in reversed(list(zip(plan.segments, h_L))):
-        xs = (_segment_of(params_L, seg), _layers_of(seg), h_seg)
+    h_L = streams if block else (None,) * len(segments)
+    for seg, h_seg in reversed(list(zip(segments, h_L))):
+        xs = (_segment_of(params_L, seg), _layers_of(seg), h_seg, _segment_of(d_outs, seg))
         step = functools.partial(body, seg=seg, h_seg=h_seg)
         carry, d_params_s = jax.lax.scan(step, carry, xs, reverse=True, unroll=unroll)
         d_params.insert(0, d_params_s)
@@ -498,50 +621,51 @@ def _buffer_cotangent(d_final: DepthState):
     return d_final.sources_SBTD + zero
 
 
-def _layer_backward(plan: ResidualPlan, seg: Segment | None, layer, h_l, v_attn, attn_vjp, vjp_of, absorb,
-                    slot_cotangent, final: DepthState, d_h, d_block, acc, eps: float):
-    """One layer's two sublayers in reverse (MLP, then attention): the slot bookkeeping both backward
-    passes share. h_j is the layer input h_l (attention) or h_l + v_attn (MLP). `vjp_of(k, h_in)` is
-    sublayer k's VJP (in block modes attention's is `attn_vjp`, from the forward that gave v_attn),
-    returning (d params, d h, *d reads, d h_block); `acc` holds the buffer's cotangents (d_sources,
-    d_inv) first, then whatever else the reads' cotangents go to (`absorb(acc, d reads) -> acc`);
-    `slot_cotangent(acc, k, slot)`: per-sublayer modes, what later readers sent to sublayer k's slot.
-    Returns (d_h, d_block, the layer's d params, acc)."""
+def _layer_backward(plan: ResidualPlan, seg: Segment | None, u, P: int, hs, h_blocks, forward_vjps, vjp_of, absorb,
+                    slot_cotangent, final: DepthState, d_h, d_block, acc, eps: float, d_out=None):
+    """One unit's P sublayers in reverse (the last first): the slot bookkeeping both backward passes
+    share. `hs[k]`, `h_blocks[k]`: sublayer k's input stream and block start; `vjp_of(k, h_in, h_block)`
+    is sublayer k's VJP (in block modes, sublayer k < P - 1's is `forward_vjps[k]`, from the
+    recomputation that gave its delta), returning (d params, d h, *d reads, d h_block); `acc` holds the
+    buffer's cotangents (d_sources, d_inv) first, then whatever else the reads' cotangents go to
+    (`absorb(acc, d reads) -> acc`); `slot_cotangent(acc, k, slot)`: per-sublayer modes, what later
+    readers sent to sublayer k's slot; `d_out`: sublayer k's cotangent of its differentiated output
+    (`Outputs`), or None. Returns (d_h, d_block, the unit's d params, acc)."""
     block = plan.mode in BLOCK_MODES
-    h_mid = h_l + v_attn.astype(h_l.dtype)
-    d_params_l = None
-    for k, h_in in ((1, h_mid), (0, h_l)):
-        j = 2 * layer + k
+    d_params_u = None
+    for k in reversed(range(P)):
+        h_in = hs[k]
+        j = plan.unit_size * u + k
         slot = row(plan.write, j, seg)
         if block:
-            if k == 1:  # blocks are whole layers: only an MLP sublayer can close one
-                d_h, d_block = _closed_block_cotangent(final, acc[0], acc[1], slot, row(plan.closes_block, j, seg),
-                                                       d_h, d_block, eps)
+            d_h, d_block = _closed_block_cotangent(final, acc[0], acc[1], slot, _flag(plan, plan.closes_block, u, k, seg, j),
+                                                   d_h, d_block, eps)
             d_v, d_v_inv = d_h.astype(h_in.dtype), jnp.zeros_like(acc[1][slot])
         else:
             d_slot, d_slot_inv = slot_cotangent(acc, k, slot)
             d_v, d_v_inv = (d_h + d_slot).astype(h_in.dtype), d_slot_inv
-        vjp = attn_vjp if block and k == 0 else vjp_of(k, h_in)
-        d_p, d_h_in, *d_reads, d_block_k = vjp((d_v, d_v_inv))
+        vjp = forward_vjps[k] if block and k < P - 1 else vjp_of(k, h_in, h_blocks[k])
+        cotangent = (d_v, d_v_inv) if d_out is None or d_out[k] is None else (d_v, d_v_inv, d_out[k])
+        d_p, d_h_in, *d_reads, d_block_k = vjp(cotangent)
         d_h = d_h + d_h_in
         acc = absorb(acc, d_reads)
         if block:
             d_block = d_block + d_block_k.astype(d_block.dtype)
-            if k == 0:  # only an attention sublayer can open a block; h_block is its input h_j
-                opens_j = row(plan.opens_block, j, seg)
+            opens_j = _flag(plan, plan.opens_block, u, k, seg, j)  # h_block is then this sublayer's input h_j
+            if not (isinstance(opens_j, np.bool_) and not opens_j):
                 d_h = _select(opens_j, d_h + d_block.astype(d_h.dtype), d_h)
                 d_block = _select(opens_j, jnp.zeros_like(d_block), d_block)
-        d_params_l = d_p if d_params_l is None else jax.tree.map(jnp.add, d_params_l, d_p)
-    return d_h, d_block, d_params_l, acc
+        d_params_u = d_p if d_params_u is None else jax.tree.map(jnp.add, d_params_u, d_p)
+    return d_h, d_block, d_params_u, acc
 
 
 def _segment_of(params_L, seg: Segment):
-    """The stacked parameters of a segment's layers."""
-    return jax.tree.map(lambda a: a[seg.first: seg.first + seg.n_layers], params_L)
+    """The stacked parameters of a segment's units."""
+    return jax.tree.map(lambda a: a[seg.first: seg.first + seg.n_units], params_L)
 
 
 def _layers_of(seg: Segment):
-    return jnp.arange(seg.first, seg.first + seg.n_layers)
+    return jnp.arange(seg.first, seg.first + seg.n_units)
 
 
 def _closed_block_cotangent(final: DepthState, d_sources, d_inv, slot, closes_j, d_h, d_block, eps: float):
@@ -576,12 +700,13 @@ def sublayer_prefix(prefix: Prefix | None, k: int) -> Prefix | None:
 
 
 def _group_sources(plan: ResidualPlan, first_layer, n: int):
-    """Which slots each of the 2n queries of the n layers from `first_layer` reads: [2n, S]."""
-    return jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), 2 * first_layer, 2 * n)
+    """Which slots each of the P n queries of the n units of P sublayers from `first_layer` reads: [P n, S]."""
+    P = plan.unit_size
+    return jax.lax.dynamic_slice_in_dim(jnp.asarray(plan.prefix_read), P * first_layer, P * n)
 
 
 def _group_queries(queries_fn, params_G):
-    """The group's 2n queries and gains, each [2n, D] (attention, MLP per layer)."""
+    """The group's P n queries and gains, each [P n, D] (the units' sublayers in order)."""
     query_N2D, gain_N2D = jax.vmap(queries_fn)(params_G)
     D = query_N2D.shape[-1]
     return query_N2D.reshape(-1, D), gain_N2D.reshape(-1, D)
@@ -589,8 +714,8 @@ def _group_queries(queries_fn, params_G):
 
 def _group_prefix(queries_fn, params_G, sources_SBTD, inv_rms_SBT, plan: ResidualPlan, first_layer, n: int, *,
                   impl: str, interpret: bool, eps: float):
-    """Phase one for the n layers from `first_layer`: their 2n queries over the slots completed
-    before the group, one pass over the buffer. Returns (out [2n, B, T, D], lse [2n, B, T])."""
+    """Phase one for the n units from `first_layer`: their P n queries over the slots completed
+    before the group, one pass over the buffer. Returns (out [P n, B, T, D], lse [P n, B, T])."""
     return _phase_one(sources_SBTD, inv_rms_SBT, _group_sources(plan, first_layer, n),
                       *_group_queries(queries_fn, params_G), impl=impl, interpret=interpret, eps=eps)
 
@@ -609,7 +734,7 @@ def listed_group_prefix(queries_fn, params_layers, state: DepthState, plan: Resi
 
 
 def _phase_one(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, *, impl: str, interpret: bool, eps: float):
-    """The group's 2n queries over `sources_SBTD` (`deltares.nn.layers.route_prefix`)."""
+    """The group's queries over `sources_SBTD` (`deltares.nn.layers.route_prefix`)."""
     from deltares.nn.layers import route_prefix  # noqa: PLC0415 - layers imports the routing math only
 
     return route_prefix(sources_SBTD, inv_rms_SBT, valid_KS, query_KD, gain_KD, impl=impl, interpret=interpret,
@@ -630,17 +755,17 @@ def _group_prefix_grad_into(queries_fn, params_G, sources_SBTD, plan: ResidualPl
 
 
 def _groups(plan: ResidualPlan, params_L):
-    """The full groups' parameters [n_groups, G, ...] with their first layers, and the remainder's
+    """The full groups' parameters [n_groups, G, ...] with their first units, and the remainder's
     (the last block of a block mode may be shorter): (params, firsts, params_rest or None)."""
     G = plan.group_layers
-    n_groups, rest = divmod(plan.n_layers, G)
+    n_groups, rest = divmod(plan.n_units, G)
     full = jax.tree.map(lambda a: a[: n_groups * G].reshape((n_groups, G) + a.shape[1:]), params_L)
     tail = jax.tree.map(lambda a: a[n_groups * G:], params_L) if rest else None
     return full, jnp.arange(n_groups) * G, tail
 
 
 def _ungroup(full, tail):
-    """[n_groups, G, ...] (and the remainder's [r, ...]) back to [L, ...]."""
+    """[n_groups, G, ...] (and the remainder's [r, ...]) back to [units, ...]."""
     flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), full)
     return flat if tail is None else jax.tree.map(lambda a, b: jnp.concatenate([a, b]), flat, tail)
 
@@ -654,19 +779,21 @@ def _stack(trees):
 
 
 def _grouped_forward(layer_fn, group_prefix, params_L, state: DepthState, plan: ResidualPlan, unroll: bool):
-    """The forward pass of two-phase routing: per group, phase one over the slots completed before
-    it (`_group_prefix`), then its layers, each sublayer merging that with its intra-group sources
-    (`sublayer_input(prefix=)`). Returns (final state, stats [L, ...], input streams h [L, B, T, D])."""
+    """The forward pass of two-phase routing over the whole units: per group, phase one over the
+    slots completed before it (`_group_prefix`), then its units, each sublayer merging that with its
+    intra-group sources (`sublayer_input(prefix=)`). Returns (final state, outs [units, ...], input
+    streams h [units, B, T, D])."""
+    P = plan.unit_size
 
     def run_group(state, params_G, first_layer, n):
         out, lse = group_prefix(params_G, state.sources_SBTD, state.inv_rms_SBT, plan, first_layer, n)
-        h, stats = [], []
+        h, outs = [], []
         for i in range(n):
             h.append(state.h_BTD if _saves_streams(plan) else None)
-            prefix = Prefix(out[2 * i: 2 * i + 2], lse[2 * i: 2 * i + 2])
-            state, stats_l = layer_fn(_layer_of(params_G, i), state, first_layer + i, prefix=prefix)
-            stats.append(stats_l)
-        return state, (_stack(stats), jnp.stack(h) if _saves_streams(plan) else None)
+            prefix = Prefix(out[P * i: P * i + P], lse[P * i: P * i + P])
+            state, out_l = layer_fn(_layer_of(params_G, i), state, first_layer + i, prefix=prefix)
+            outs.append(out_l)
+        return state, (_stack(outs), jnp.stack(h) if _saves_streams(plan) else None)
 
     full, firsts, tail = _groups(plan, params_L)
     G = plan.group_layers
@@ -674,13 +801,13 @@ def _grouped_forward(layer_fn, group_prefix, params_L, state: DepthState, plan: 
                                    unroll=unroll)
     out_tail = None
     if tail is not None:
-        state, out_tail = run_group(state, tail, firsts.shape[0] * G, plan.n_layers % G)
-    stats, h_L = _ungroup(out_full, out_tail)
-    return state, stats, h_L
+        state, out_tail = run_group(state, tail, firsts.shape[0] * G, plan.n_units % G)
+    outs, h_L = _ungroup(out_full, out_tail)
+    return state, outs, h_L
 
 
 def _absorb_prefix(acc, d_reads):
-    """Two-phase backward: a sublayer's prefix cotangent into the layer's (d out, d lse) and, in the
+    """Two-phase backward: a sublayer's prefix cotangent into the unit's (d out, d lse) and, in the
     per-sublayer modes, the group window's; the buffer's (acc[:2]) gets phase one's once per group."""
     (d_prefix,) = d_reads
     d_sources, d_inv, d_window, d_window_inv, d_out, d_lse = acc
@@ -690,40 +817,50 @@ def _absorb_prefix(acc, d_reads):
 
 
 def _grouped_layer_backward(layer_fn, plan: ResidualPlan, final: DepthState, params_l, layer, i: int, h_l, h_block,
-                            prefix: Prefix, d_h, d_block, acc, eps: float):
-    """Two-phase backward of layer i of its group (`_layer_backward` with the layer's `prefix`: its two
+                            prefix: Prefix, d_h, d_block, acc, eps: float, d_out=None):
+    """Two-phase backward of unit i of its group (`_layer_backward` with the unit's `prefix`: its P
     sublayers' phase-one out and lse, and in the per-sublayer modes the group's window of slots).
-    `acc` = (d_sources, d_inv, d_window, d_window_inv). Returns (d_h, d_block, the layer's d params,
+    `acc` = (d_sources, d_inv, d_window, d_window_inv). Returns (d_h, d_block, the unit's d params,
     (d_window, d_window_inv, d out, d lse))."""
     window = prefix.window_SBTD
+    block = plan.mode in BLOCK_MODES
+    P = plan.unit_size
 
     def delta(p, h, pre, hb, k):
         return layer_fn(p, DepthState(h, final.sources_SBTD, final.inv_rms_SBT, hb), layer, only=k, prefix=pre)
 
-    attn_vjp = None
-    if plan.mode in BLOCK_MODES:  # attention's forward gives v_attn
-        v_attn, attn_vjp = jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, 0), params_l, h_l, prefix, h_block)
-        v_attn = v_attn[0]
-    else:
-        v_attn = window[2 * i]  # slot 2 * layer + 1
+    hs, vs, forward_vjps = [h_l], [], []
+    for k in range(P - 1):  # the sublayers' inputs (groups tile blocks: a block opens only at a unit's start)
+        if block:  # the sublayer's forward gives its delta
+            if k:
+                hs.append(hs[k - 1] + vs[k - 1].astype(h_l.dtype))
+            v, vjp_k = jax.vjp(lambda p, h, pre, hb, k=k: delta(p, h, pre, hb, k), params_l, hs[k], prefix, h_block)
+            vs.append(v[0])
+            forward_vjps.append(vjp_k)
+        else:
+            vs.append(window[P * i + k])  # slot P * unit + k + 1
 
-    def vjp_of(k, h_in):
+    def vjp_of(k, h_in, h_block):
         return jax.vjp(lambda p, h, pre, hb: delta(p, h, pre, hb, k), params_l, h_in, prefix, h_block)[1]
 
     def slot_cotangent(acc, k, slot):  # read by later groups (the buffer) and group-mates (the window)
         d_slot, d_slot_inv = acc[0][slot], acc[1][slot]
-        if 2 * i + k < window.shape[0]:
-            d_slot, d_slot_inv = d_slot + acc[2][2 * i + k].astype(d_slot.dtype), d_slot_inv + acc[3][2 * i + k]
+        if P * i + k < window.shape[0]:
+            d_slot, d_slot_inv = d_slot + acc[2][P * i + k].astype(d_slot.dtype), d_slot_inv + acc[3][P * i + k]
         return d_slot, d_slot_inv
 
-    zeros = (jnp.zeros_like(prefix.out_BTD[0]), jnp.zeros_like(prefix.lse_BT[0]))  # d out, d lse of the layer
-    d_h, d_block, d_params_l, acc = _layer_backward(plan, None, layer, h_l, v_attn, attn_vjp, vjp_of, _absorb_prefix,
-                                                    slot_cotangent, final, d_h, d_block, acc + zeros, eps)
+    zeros = (jnp.zeros_like(prefix.out_BTD[0]), jnp.zeros_like(prefix.lse_BT[0]))  # d out, d lse of the unit
+    for k in range(len(hs) - 1, P - 1):
+        hs.append(hs[k] + vs[k].astype(h_l.dtype))
+    d_h, d_block, d_params_l, acc = _layer_backward(plan, None, layer, P, hs, [h_block] * P, forward_vjps, vjp_of,
+                                                    _absorb_prefix, slot_cotangent, final, d_h, d_block, acc + zeros,
+                                                    eps, d_out)
     return d_h, d_block, d_params_l, acc[2:]
 
 
 def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, d_final: DepthState,
-                      plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS, prefix_grad=None):
+                      plan: ResidualPlan, unroll: bool = False, eps: float = routing.NORM_EPS, prefix_grad=None,
+                      carry=None, d_outs=None):
     """The backward pass of two-phase routing, group by group in reverse (`_sublayer_backward` is
     the ungrouped one; the slot bookkeeping is the same). Per group: phase one is recomputed on
     the final buffer under `jax.vjp`; the sublayers walk in reverse, each differentiated alone
@@ -732,11 +869,14 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
     the group adds to the cotangent of the buffer (slots before the group). The window's
     cotangent (per-sublayer modes: slots written and read inside the group) is consumed by the
     slots' writers in the same walk. With `prefix_grad` (a fused kernel, `_group_prefix_grad_into`)
-    phase one is recomputed without a VJP and its backward adds into the buffer's cotangent in place."""
+    phase one is recomputed without a VJP and its backward adds into the buffer's cotangent in place.
+    `carry`: the cotangents after the whole units (the remainder's backward ran first), by default
+    the final state's; `d_outs`: the units' `Outputs.sublayers` cotangents, or None."""
     block = plan.mode in BLOCK_MODES
-    block_start = jnp.asarray(plan.block_start_layer)
+    block_start = jnp.asarray(plan.block_start_unit[: plan.n_units])
+    P = plan.unit_size
 
-    def run_group(carry, params_G, first_layer, n):
+    def run_group(carry, params_G, first_layer, n, d_out_G):
         d_h, d_sources, d_inv, d_block = carry
         # under checkpoint: the VJP keeps only its inputs (the live final buffer), not a float32
         # copy of the buffer and the weights for the whole walk; phase one is recomputed in it
@@ -753,15 +893,15 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
         d_out, d_lse, d_params = [None] * n, [None] * n, [None] * n
         for i in reversed(range(n)):
             layer = first_layer + i
-            # the layer's recomputation waits for the later layer's cotangent: without the barrier
-            # XLA may recompute every layer of the group at once, holding all their activations
+            # the unit's recomputation waits for the later unit's cotangent: without the barrier
+            # XLA may recompute every unit of the group at once, holding all their activations
             h_l = h_L[layer] if block else _stream_at(h_L, layer)
             d_h, h_l = jax.lax.optimization_barrier((d_h, h_l))
             h_block = h_L[block_start[layer]] if block else None
-            prefix = Prefix(out[2 * i: 2 * i + 2], lse[2 * i: 2 * i + 2], window, window_inv)
+            prefix = Prefix(out[P * i: P * i + P], lse[P * i: P * i + P], window, window_inv)
             d_h, d_block, d_params_l, (d_window, d_window_inv, d_out_l, d_lse_l) = _grouped_layer_backward(
                 layer_fn, plan, final, _layer_of(params_G, i), layer, i, h_l, h_block, prefix, d_h, d_block,
-                (d_sources, d_inv, d_window, d_window_inv), eps)
+                (d_sources, d_inv, d_window, d_window_inv), eps, _layer_of(d_out_G, i))
             d_out[i], d_lse[i], d_params[i] = d_out_l, d_lse_l, d_params_l
         d_out, d_lse = jnp.concatenate(d_out), jnp.concatenate(d_lse)
         if prefix_grad is None:
@@ -774,17 +914,20 @@ def _grouped_backward(layer_fn, group_prefix, params_L, h_L, final: DepthState, 
         return (d_h, d_sources, d_inv, d_block), d_params_G
 
     full, firsts, tail = _groups(plan, params_L)
+    d_full_outs, _, d_tail_outs = _groups(plan, d_outs) if d_outs is not None else (None, None, None)
     G = plan.group_layers
-    carry = (d_final.h_BTD, _buffer_cotangent(d_final), d_final.inv_rms_SBT, d_final.h_block_BTD if block else None)
+    if carry is None:
+        carry = (d_final.h_BTD, _buffer_cotangent(d_final), d_final.inv_rms_SBT,
+                 d_final.h_block_BTD if block else None)
     d_tail = None
     if tail is not None:  # the last group runs first
-        carry, d_tail = run_group(carry, tail, firsts.shape[0] * G, plan.n_layers % G)
-    carry, d_full = jax.lax.scan(lambda c, xs: run_group(c, xs[0], xs[1], G), carry, (full, firsts), reverse=True,
-                                 unroll=unroll)
+        carry, d_tail = run_group(carry, tail, firsts.shape[0] * G, plan.n_units % G, d_tail_outs)
+    carry, d_full = jax.lax.scan(lambda c, xs: run_group(c, xs[0], xs[1], G, xs[2]), carry,
+                                 (full, firsts, d_full_outs), reverse=True, unroll=unroll)
     d_h, d_sources, d_inv, d_block = carry
     return _ungroup(d_full, d_tail), _initial_cotangent(plan, d_h, d_sources[0], d_inv, d_block,
                                                         d_final.sources_SBTD.dtype)
 
 
-__all__ = ["DepthState", "Prefix", "add_delta", "depth_scan", "init_depth_state", "listed_group_prefix", "stack_output",
+__all__ = ["DepthState", "Outputs", "Prefix", "add_delta", "depth_scan", "init_depth_state", "listed_group_prefix", "stack_output",
            "sublayer_input"]

@@ -178,18 +178,43 @@ class MLP(nn.Module):
 
 
 class DepthRouter(nn.Module):
-    """One sublayer's routing parameters: pseudo-query w (zeros) and key-norm gain g (ones).
+    """One sublayer's routing parameters: pseudo-query w (zeros) and key-norm gain g (ones), each [D].
 
-    Called on a source buffer with its cached 1/rms and validity mask; returns
-    `(route, weights)`, or `(residual + route, weights)` for additive routing.
-    For converting pretrained checkpoints (docs/explanations/modes.md): `gate` adds a scalar
-    gate (zeros) on the routed term, `residual + gate * route`, so a converted model
-    computes exactly the pretrained function at step 0; `null_source` adds the paper's
-    learned null source (zeros) to every routing. `epsilon` is the key norm's (config.model.norm_eps,
-    the one the cached 1/rms was computed with); it also normalises the null source and, in
-    the kernel, every source. `dtype`, `param_dtype`, `query_init`, `gain_init`: as in flax's
-    layers (the defaults are the paper's: a zero query routes uniformly at step 0). Logits and
-    softmax are float32; the output has `dtype`, by default the sources' dtype.
+    Routes a source buffer: softmax over the sources of w . RMSNorm_g(s), the weighted sum of the
+    sources; with a residual (the Delta modes) residual + that sum. The parameters take the width D
+    of the sources at `init`. For converting pretrained checkpoints (docs/explanations/modes.md):
+    `gate` adds a scalar gate [1] (zeros) on the routed term, `residual + gate * route`, so a converted
+    model computes exactly the pretrained function at step 0; `null_source` adds the paper's learned
+    null source [D] (zeros) to every routing. Logits and softmax are float32. Parameters carry the
+    logical axis names ("embed",) (the gate ("norm",)).
+
+    Attributes:
+        gate: add the scalar gate (additive routing only).
+        null_source: add the learned null source.
+        impl: "xla", or a fused Pallas kernel ("pallas": the best for the backend; "auto"), which
+            returns no weights.
+        interpret: run the kernel in Pallas interpret mode (CPU tests).
+        epsilon: the key norm's epsilon: the one the cached 1/rms of the sources was computed with
+            (config.model.norm_eps); it also normalises the null source and, in the kernel, every source.
+        dtype: the output's dtype (default the sources').
+        param_dtype: the parameters' dtype.
+        query_init: the query's initialiser (default zeros: uniform routing at step 0, the paper's).
+        gain_init: the gain's initialiser (default ones).
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from deltares.nn import DepthRouter
+        from deltares.nn.routing import inv_rms
+
+        sources_SBTD = jax.random.normal(jax.random.key(0), (3, 2, 4, 8))  # S = 3 sources of [B, T, D]
+        valid_S = jnp.array([True, True, False])                             # the last is not written yet
+        router = DepthRouter()
+        variables = router.init(jax.random.key(1), sources_SBTD, inv_rms(sources_SBTD), valid_S)
+        out_BTD, weights_SBT = router.apply(variables, sources_SBTD, inv_rms(sources_SBTD), valid_S)
+        print(out_BTD.shape, weights_SBT[:, 0, 0])  # (2, 4, 8) [0.5 0.5 0. ]
+        ```
     """
 
     gate: bool = False
@@ -204,6 +229,21 @@ class DepthRouter(nn.Module):
 
     @nn.compact
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
+        """Routes the sources; returns (out_BTD, weights_SBT or None).
+
+        Args:
+            sources_SBTD: the sources [S, B, T, D] (or a sequence of S arrays [B, T, D]).
+            inv_rms_SBT: each source's 1/rms [S, B, T] (float32, `routing.inv_rms` with `epsilon`).
+            valid: [S] bool, or broadcastable to [S, B, T]: the sources routed over (at least one).
+            residual_BTD: the stream [B, T, D]: with it, out = residual + route (the Delta modes;
+                with `gate`, residual + gate * route), else out = route (the Kimi modes).
+            prefix: two-phase routing's (out [B, T, D], lse [B, T]) over earlier sources, merged
+                as one more source (deltares.nn.routing.route_normalized).
+
+        Returns:
+            out [B, T, D] in `dtype` (default the sources'); the weights [S, B, T] (float32), None
+            from a fused kernel.
+        """
         if self.gate and residual_BTD is None:
             raise ValueError("a routing gate needs additive routing (a residual)")
         D = sources_SBTD[0].shape[-1]  # an array [S, B, T, D] or S arrays [B, T, D]
@@ -254,7 +294,8 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
                  interpret: bool = False, eps: float = routing.NORM_EPS, prefix=None):
     """A router's math on its parameters (`query`, `gain`, optionally `null_source`, `gate`: see
     DepthRouter, ROUTER_PARAMS); shared by the linen and NNX DepthRouter and plain parameter dicts.
-    Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel.
+    Returns `(route, weights)` or `(residual + [gate *] route, weights)`; weights are None from the kernel, or
+    for listed sources routed by the Mosaic GPU kernel the sources passed through (`PassedSources`).
     `prefix` (two-phase routing): the routing over earlier sources, merged as in `routing.route_normalized`;
     that merge reads only a group's few intra-group sources and always runs in XLA (phase one, the read of
     the whole buffer, is `route_prefix`, fused under a kernel `impl`)."""
@@ -272,8 +313,7 @@ def apply_router(params, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, *,
     else:
         if null is not None:
             raise ValueError("the Pallas kernel has no null source; use impl='xla' with a null source")
-        route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual, impl, interpret,
-                                              eps), None
+        route_BTD, weights_SBT = kernel_route(sources_SBTD, valid, query, gain, inner_residual, impl, interpret, eps)
     if gate is None:
         return route_BTD, weights_SBT
     acc = routing.accumulation_dtype(route_BTD.dtype)
@@ -413,31 +453,54 @@ def route_prefix_grad_into(d_sources_SBTD, sources_SBTD, valid_KS, query_KD, gai
                          out_specs=(sbtd, P(), P()), check_vma=not interpret)(*args)
 
 
+class PassedSources(tuple):
+    """Listed sources a fused kernel passed through (`kernel_route`): what later sublayers route over,
+    so that their cotangents reach this router's backward pass, where the Mosaic GPU kernel adds its own
+    into them in place. `apply_router` returns it in place of the (absent) weights."""
+
+
+jax.tree_util.register_pytree_node(PassedSources, lambda p: (tuple(p), None), lambda _, arrays: PassedSources(arrays))
+
+
 def kernel_route(sources_SBTD, valid, query_D, gain_D, residual_BTD, impl: str, interpret: bool,
                  eps: float = routing.NORM_EPS):
-    """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route). Under a mesh of
+    """Depth routing by the fused Pallas kernel (kernels_pallas.depth_route): (out, PassedSources or None).
+    Listed sources (unrolled layers) go to the Mosaic GPU kernel as separate operands, and come back
+    passed through (`PassedSources`); the other kernels read one stacked buffer. Under a mesh of
     several devices it runs inside `jax.shard_map`, tokens split over the batch's mesh axes and D
     whole (`_token_split`: the kernel normalises each source itself, so a D split over `tensor` is
     gathered)."""
     from kernels_pallas.depth_route import depth_route  # noqa: PLC0415 - optional fast path
+    from kernels_pallas.depth_route.api import MOSAIC_GPU  # noqa: PLC0415
 
-    if isinstance(sources_SBTD, (tuple, list)):  # unrolled layers' separate sources: the kernel reads one buffer
+    listed = isinstance(sources_SBTD, (tuple, list))
+    separate = listed and impl == MOSAIC_GPU
+    if listed and not separate:  # the kernel reads one buffer
         sources_SBTD = jnp.stack(sources_SBTD)
+    shape = (len(sources_SBTD),) + sources_SBTD[0].shape if separate else sources_SBTD.shape
+
+    static = None if isinstance(valid, jax.Array) else valid  # a mask known when tracing stays known
 
     def route(sources, valid, query, gain, residual):
-        return depth_route(sources, valid, query, gain, residual, implementation=impl, interpret=interpret,
-                           eps=eps)
+        return depth_route(tuple(sources) if separate else sources, valid if static is None else static, query,
+                           gain, residual, implementation=impl, interpret=interpret, eps=eps, pass_sources=separate)
 
-    split = _token_split(sources_SBTD.shape)
+    split = _token_split(shape)
     if split is None:
-        return route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
-    mesh, sbtd = split
-    P = jax.sharding.PartitionSpec
-    btd = P(*sbtd[1:])
-    # check_vma off in interpret mode: Pallas' HLO interpreter slices varying blocks with unvarying
-    # indices, which the check rejects (jax 0.10); the compiled kernels keep it
-    fn = jax.shard_map(route, mesh=mesh, in_specs=(sbtd, P(), P(), P(), btd), out_specs=btd, check_vma=not interpret)
-    return fn(sources_SBTD, valid, query_D, gain_D, residual_BTD)
+        out = route(sources_SBTD, valid, query_D, gain_D, residual_BTD)
+    else:
+        mesh, sbtd = split
+        P = jax.sharding.PartitionSpec
+        btd = P(*sbtd[1:])
+        src_spec = tuple(btd for _ in sources_SBTD) if separate else sbtd
+        # check_vma off in interpret mode: Pallas' HLO interpreter slices varying blocks with unvarying
+        # indices, which the check rejects (jax 0.10); the compiled kernels keep it
+        fn = jax.shard_map(route, mesh=mesh, in_specs=(src_spec, P(), P(), P(), btd),
+                           out_specs=(btd, src_spec) if separate else btd, check_vma=not interpret)
+        out = fn(tuple(sources_SBTD) if separate else sources_SBTD, jnp.asarray(valid), query_D, gain_D, residual_BTD)
+    if separate:
+        return out[0], PassedSources(out[1])
+    return out, None
 
 
-__all__ = ["MLP", "ROUTER_PARAMS", "Attention", "DepthRouter", "Projection", "RMSNorm", "Rope", "apply_router", "init_router_params", "rope_tables"]
+__all__ = ["MLP", "ROUTER_PARAMS", "Attention", "DepthRouter", "PassedSources", "Projection", "RMSNorm", "Rope", "apply_router", "init_router_params", "rope_tables"]

@@ -34,7 +34,29 @@ def _frozen(cfg):
 
 
 class Transformer(nn.Module):
-    """Decoder LM built from `config.model`. Validates the config when constructed."""
+    """deltares' decoder language model (Qwen3-style: grouped-query attention with q/k RMSNorm and
+    rotary embeddings, SwiGLU MLP) under the residual scheme of its config; its layers run as one
+    stack (deltares.nn.stack.stack_layers: scanned or unrolled, remat and the store-once pass).
+    Validates the config when constructed (one ValueError naming the field).
+
+    Attributes:
+        config: a `config.model` (`model_config`; the fields are in the config reference).
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from deltares.nn import Transformer, model_config
+
+        cfg = model_config(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=128,
+                           dtype="float32", residual=dict(mode="delta_block", block_layers=1))
+        model = Transformer(cfg)
+        tokens_BT = jnp.zeros((2, 16), jnp.int32)
+        variables = model.init(jax.random.key(0), tokens_BT)
+        logits_BTV, stats = model.apply(variables, tokens_BT, return_stats=True)
+        print(logits_BTV.shape, stats["entropy"].shape)  # (2, 16, 256) (4,): one per sublayer
+        ```
+    """
 
     config: Any
 
@@ -60,20 +82,29 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BT, return_stats: bool = False, cache=None, pos=0, logits_at=None, targets_BT=None,
                  segments_BT=None):
-        """Logits [B, T, V] (float32), and routing stats with `return_stats` (also sown as
-        `variables["routing"]["stats"]` where `routing` is mutable: deltares.nn.routed.sublayer_stats).
+        """The logits, or the loss's per-token NLL, of a batch of token sequences.
 
-        `targets_BT` (the loss path): per-token NLL [B, T] (float32) of those targets in place
-        of the logits, computed `config.loss_chunk` tokens at a time (`head_token_nll`), so
-        the [B, T, V] float32 logits never exist at once.
+        Args:
+            tokens_BT: token ids [B, T] (int).
+            return_stats: also return the routing statistics per sublayer (`n_sources`, `max_weight`,
+                `entropy` [2L], `weights` [2L, S]; deltares.nn.routed.sublayer_stats); they are also
+                sown as `variables["routing"]["stats"]` where `routing` is mutable.
+            cache: decoding: the attention cache (`init_cache`); the tokens sit at positions
+                pos..pos+T-1 after the cached ones, and the call returns (logits, new cache). Routing
+                is per token, so only attention needs a cache; every residual mode decodes the same way.
+            pos: decoding: the position of the first token (an int or an int32 scalar).
+            logits_at: [B] (prefilling right-padded prompts): the logits of one position per row only,
+                [B, 1, V], so the head never runs over the whole prompt.
+            targets_BT: the loss path: the per-token NLL [B, T] (float32) of these targets in place of
+                the logits, computed `config.loss_chunk` tokens at a time, so the [B, T, V] float32
+                logits never exist at once.
+            segments_BT: document masks (`config.data.document_mask`): each row's documents numbered
+                in order; a token attends only to its own document, whose positions start at 0.
 
-        Decoding: with `cache` (from `init_cache`) the tokens sit at positions pos..pos+T-1
-        after the cached ones, and the call returns (logits, new cache). Routing is per
-        token, so only attention needs a cache; every residual mode decodes the same way.
-        `logits_at` [B] (prefilling right-padded prompts): logits [B, 1, V] of one position
-        per row only, so the head never runs over the whole prompt.
-        `segments_BT` (document masks, `config.data.document_mask`): each row's documents numbered in
-        order; a token attends only to its own document, whose positions start at 0."""
+        Returns:
+            The logits [B, T, V] (float32), or the NLL [B, T]; with `return_stats` (that, stats); with
+            `cache` (logits, new cache).
+        """
         cfg = self.config
         if cache is not None and return_stats:
             raise ValueError("return_stats is not available while decoding with a cache")

@@ -5,7 +5,9 @@ cached 1/rms, slot writes) and, when asked, the store-once depth pass; you suppl
 sublayers (attention, MLP: anything mapping [B, T, D] to a delta [B, T, D], pre-norm included)
 and one router per sublayer (linen `deltares.nn.layers.DepthRouter`, NNX
 `deltares.nn.nnx.DepthRouter`, or a parameter dict for `apply_router`). Sublayers are numbered
-j = 0 .. 2L-1 (j = 2l: attention of layer l, j = 2l+1: its MLP), as in docs/explanations/modes.md.
+j = 0 .. J-1 in depth order: with two sublayers a layer (the default), j = 2l is the attention of
+layer l and j = 2l+1 its MLP, as in docs/explanations/modes.md; `DepthRouting(sublayers=3)` (a
+decoder layer with cross-attention) or a count per layer numbers them in the same way.
 
     routing = DepthRouting("delta_block", n_layers=L, block_layers=2)
     state = routing.start(e_BTD)
@@ -33,22 +35,59 @@ from deltares.nn import routing as routing_math
 from deltares.nn.axes import check_axis_names, use_axis_names
 from deltares.nn.config import BLOCK_MODES, MODES, Mode
 from deltares.nn.depth import (
-    DepthState, Prefix, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input, sublayer_prefix,
+    DepthState, Outputs, Prefix, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input, sublayer_prefix,
 )
 from deltares.nn.layers import DepthRouter, apply_router, init_router_params
 from deltares.nn.residual import ResidualPlan, make_plan
 
-SUBLAYERS_PER_LAYER = 2  # attention, then MLP
-
 
 @dataclasses.dataclass(frozen=True)
 class DepthRouting:
-    """The residual scheme of a stack of `n_layers` layers (no parameters: those live in the
-    routers). `epsilon` is the key norm's (config.model.norm_eps). `axis_names`: your logical
-    axis names for the roles `batch`, `length`, `embed`, `sources` of the stream and the source
-    buffer (deltares.nn.axes; default deltares' own names and rules). `group_layers` and
-    `scan_segments`: how the store-once pass runs (config.model.residual's fields of those names;
-    the same math)."""
+    """The residual scheme of a stack of `n_layers` layers, for a layer loop of your own: which
+    sources each sublayer routes over, its input, and where its delta goes (no parameters: those
+    live in the routers). Sublayers are numbered j = 0 .. J-1 in depth order.
+
+    Args:
+        mode: the residual scheme (deltares.nn.MODES).
+        n_layers: L.
+        block_layers: layers per block of the block modes (1 in the others); the last block may be shorter.
+        include_partial: block modes, whether a sublayer routes over its block's partial sum.
+        epsilon: the routers' key-norm epsilon (config.model.norm_eps).
+        axis_names: your logical axis names for the roles `batch`, `length`, `embed`, `sources` of
+            the stream and the source buffer (deltares.nn.axes; default deltares' own names and rules).
+        group_layers: units per two-phase routing group of the store-once pass (`stack`).
+        scan_segments: segments of the store-once pass (the same math).
+        sublayers: the sublayers of every layer (2: attention, MLP), or one count per layer.
+        unit_layers: the layers a scanned stack runs as one unit (a layer pattern's length).
+
+    Example:
+        ```python
+        import flax.linen as nn
+        import jax
+        from deltares.nn import DepthRouter, DepthRouting
+
+
+        class Stack(nn.Module):  # a decoder of three sublayers a layer, written as a loop
+            n_layers: int = 3
+
+            @nn.compact
+            def __call__(self, e_BTD, memory_BMD):
+                routing = DepthRouting("delta_block", self.n_layers, block_layers=2, sublayers=3)
+                state = routing.start(e_BTD)                         # stream h = e, source slot 0 = e
+                for j in range(3 * self.n_layers):                   # self-attention, cross-attention, MLP
+                    x_BTD = routing.input(state, j, DepthRouter(name=f"router_{j}"))  # h_j + route(S_j)
+                    y_BTD = nn.RMSNorm()(x_BTD)
+                    if j % 3 == 1:                                   # cross-attention reads the memory
+                        y_BTD = nn.MultiHeadDotProductAttention(2)(y_BTD, memory_BMD)
+                    state = routing.add(state, j, nn.Dense(x_BTD.shape[-1])(y_BTD))
+                return routing.output(state)                         # h_J (the Kimi modes: routed)
+
+
+        e_BTD, memory_BMD = jax.numpy.ones((2, 5, 8)), jax.numpy.ones((2, 3, 8))
+        variables = Stack().init(jax.random.key(0), e_BTD, memory_BMD)
+        print(Stack().apply(variables, e_BTD, memory_BMD).shape)  # (2, 5, 8)
+        ```
+    """
 
     mode: Mode
     n_layers: int
@@ -58,6 +97,8 @@ class DepthRouting:
     axis_names: Any = None
     group_layers: int = 1
     scan_segments: int = 1
+    sublayers: Any = 2
+    unit_layers: int = 1
 
     plan: ResidualPlan = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -74,12 +115,28 @@ class DepthRouting:
         if self.block_layers != 1 and self.mode not in BLOCK_MODES:
             raise ValueError(f"block_layers={self.block_layers} means nothing in mode {self.mode!r}: only the block "
                              f"modes ({', '.join(BLOCK_MODES)}) have blocks; leave it at 1")
+        counts = self.sublayers
+        if isinstance(counts, int) and not isinstance(counts, bool):
+            counts = (counts,) * self.n_layers
+        if (not isinstance(counts, (tuple, list)) or len(counts) != self.n_layers
+                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts)):
+            raise ValueError(f"sublayers={self.sublayers!r} must be a positive integer (the sublayers of every layer) or "
+                             f"one per layer ({self.n_layers})")
+        object.__setattr__(self, "sublayers", counts[0] if len(set(counts)) == 1 else tuple(counts))
+        if not isinstance(self.unit_layers, int) or not 1 <= self.unit_layers <= self.n_layers:
+            raise ValueError(f"unit_layers={self.unit_layers!r} must be an integer in [1, n_layers={self.n_layers}]")
         object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial,
-                                                   self.group_layers, self.scan_segments))
+                                                   self.group_layers, self.scan_segments, tuple(counts),
+                                                   self.unit_layers))
 
     @classmethod
     def from_config(cls, model_cfg) -> DepthRouting:
-        """The routing of a deltares `config.model`."""
+        """The routing of a deltares `config.model`: its mode, depth, block size, key-norm epsilon and
+        store-once settings.
+
+        Args:
+            model_cfg: a `config.model` (`model_config`).
+        """
         res = model_cfg.residual
         block_layers = res.block_layers if res.mode in BLOCK_MODES else 1  # one field for every mode of an experiment
         return cls(res.mode, model_cfg.n_layers, block_layers, res.include_partial, model_cfg.norm_eps,
@@ -100,25 +157,38 @@ class DepthRouting:
         return use_axis_names(dict(self.axis_names) if self.axis_names else None)
 
     def _check_index(self, j) -> None:
-        if isinstance(j, int) and not 0 <= j < SUBLAYERS_PER_LAYER * self.n_layers:
+        if isinstance(j, int) and not 0 <= j < self.plan.n_sublayers:
             raise ValueError(f"sublayer index {j} is out of range: {self.n_layers} layers have sublayers 0 .. "
-                             f"{SUBLAYERS_PER_LAYER * self.n_layers - 1}")
+                             f"{self.plan.n_sublayers - 1}")
 
     def start(self, e_BTD) -> DepthState:
-        """The depth state before sublayer 0: stream e, and e in source slot 0."""
+        """The depth state before sublayer 0: stream e, and e in source slot 0.
+
+        Args:
+            e_BTD: the embeddings [B, T, D].
+        """
         with self.names():
             return init_depth_state(e_BTD, self.plan, self.epsilon)
 
     def input(self, state: DepthState, j, router=None, *, return_weights: bool = False, final: bool = False):
-        """Sublayer j's input x_j [B, T, D]; with `return_weights` also (weights [S, B, T] or None).
-        `router` is called in every mode but baseline (even where j has one source, so every
-        sublayer has parameters, as in deltares' Transformer). `final`: `state` holds the final
-        source buffer (a store-once backward pass, `layer(only=)`)."""
-        x_BTD, weights_SBT, _ = self._input(state, j, router, final)
+        """Sublayer j's input x_j [B, T, D]: h_j + route(S_j) in the Delta modes, route(S_j) in the
+        Kimi modes, h_j in baseline.
+
+        Args:
+            state: the depth state (`start`, then `add`).
+            j: the sublayer's index (an int, or traced in a scanned loop).
+            router: its router (a linen `DepthRouter`, an NNX `deltares.nn.nnx.DepthRouter`, or a
+                parameter dict `{"query": [D], "gain": [D]}`); called in every mode but baseline, even
+                where j has one source, so that every sublayer has parameters.
+            return_weights: also return the routing weights [S, B, T] (None in baseline or from a kernel).
+            final: `state` holds the final source buffer (a store-once backward pass, `layer(only=)`).
+        """
+        x_BTD, weights_SBT, _, _ = self._input(state, j, router, final)
         return (x_BTD, weights_SBT) if return_weights else x_BTD
 
     def _input(self, state: DepthState, j, router, final: bool = False, prefix: Prefix | None = None):
-        """(x_j, weights or None, whether j routes): `sublayer_input` under this routing's names."""
+        """(x_j, weights or None, whether j routes, the state with the sources a kernel passed through):
+        `sublayer_input` under this routing's names."""
         if self.uses_routers and router is None:
             raise ValueError(f"mode {self.mode!r} routes sublayer inputs: pass a router")
         self._check_index(j)
@@ -127,56 +197,113 @@ class DepthRouting:
             return sublayer_input(self.plan, state, j, router, _has_null(router), self.epsilon, final, prefix)
 
     def add(self, state: DepthState, j, v_BTD) -> DepthState:
-        """Adds sublayer j's delta v_j to the stream and to its source slot."""
+        """The depth state after sublayer j: its delta added to the stream and to its source slot.
+
+        Args:
+            state: the depth state before sublayer j.
+            j: the sublayer's index.
+            v_BTD: its delta [B, T, D] (ValueError for another shape).
+        """
         self._check_index(j)
         if jnp.shape(v_BTD) != jnp.shape(state.h_BTD):
-            which = f"sublayer {j}" if isinstance(j, int) else f"sublayer {SUBLAYERS_PER_LAYER} l + {{0, 1}} of a scanned layer l"
+            which = f"sublayer {j}" if isinstance(j, int) else "a sublayer of a scanned layer"
             raise ValueError(f"{which} returned a delta of shape {jnp.shape(v_BTD)}; the stream is "
                              f"{jnp.shape(state.h_BTD)} [B, T, D]: a sublayer maps [B, T, D] to [B, T, D]")
         with self.names():
             return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.epsilon)
 
     def output(self, state: DepthState, final_router=None):
-        """The stack's output before the final norm (Kimi modes: routed with `final_router`)."""
+        """The stack's output [B, T, D] before your final norm.
+
+        Args:
+            state: the depth state after the last sublayer.
+            final_router: the Kimi modes' router of the output (a router as in `input`), which routes
+                over every source; the other modes return the stream.
+        """
         with self.names():
             return stack_output(self.plan, state, self._callable(final_router) if self.uses_final_router else None)
 
-    def layer(self, state: DepthState, layer, sublayers: Sequence[tuple[Any, Callable]], only=None,
-              prefix: Prefix | None = None, stats: bool = False):
-        """Layer `layer` (may be traced): `sublayers` = [(router, f)] for attention and MLP, f(x) -> delta.
-        Returns (state, None), with `stats` (state, its two sublayers' `routing_stats`, leading axis 2),
-        or with `only` = k sublayer k's (delta, its 1/rms) without writing (the protocol of
-        deltares.nn.depth.depth_scan, whose two-phase routing passes the layer's `prefix`)."""
-        if len(sublayers) != SUBLAYERS_PER_LAYER:
-            raise ValueError(f"a layer has {SUBLAYERS_PER_LAYER} sublayers (attention, MLP), got {len(sublayers)}")
+    def layer(self, state: DepthState, layer, sublayers: Sequence[tuple], only=None, prefix: Prefix | None = None,
+              stats: bool = False, first=None):
+        """Runs one layer's sublayers on the depth state: each routed input, its sublayer, its delta added.
+
+        Args:
+            state: the depth state before the layer.
+            layer: the layer's index (may be traced where every layer has as many sublayers).
+            sublayers: [(router, f)] or [(router, f, hook)] of its sublayers in depth order. `f(x)` returns
+                the sublayer's delta [B, T, D], or a pair (delta, output). `hook(h)` (optional) maps the
+                stream after the delta is added to the stream the next sublayer sees; the sublayer's
+                source slot then holds hook(h + v) - h, so routing reads what the stream holds.
+            only: k: sublayer k alone on `state` (holding the final buffer: a store-once backward
+                pass, deltares.nn.depth.depth_scan's protocol), writing nothing.
+            prefix: the layer's two-phase routing `Prefix` (depth_scan with `queries_fn`).
+            stats: also return each sublayer's routing statistics (`routing_stats`).
+            first: the layer's first sublayer index (default: its index in the plan).
+
+        Returns:
+            (state, None); with `stats` (state, the statistics stacked on a leading axis of the layer's
+            sublayers); where any sublayer returned an output (state, `depth.Outputs(outputs, stats)`), one
+            output (or None) per sublayer, differentiated; with `only` the sublayer's (delta, its 1/rms[,
+            output]).
+        """
+        n = len(sublayers)
+        if first is None:
+            if isinstance(layer, int):
+                if not 0 <= layer < self.n_layers:
+                    raise ValueError(f"layer index {layer} is out of range: {self.n_layers} layers")
+                if self.plan.layer_sublayers[layer] != n:
+                    raise ValueError(f"layer {layer} has {self.plan.layer_sublayers[layer]} sublayers, got {n}")
+                if len(set(self.plan.layer_sublayers)) > 1:
+                    first = int(self.plan.layer_first[layer])
+            elif set(self.plan.layer_sublayers) != {n}:
+                raise ValueError(f"a scanned layer of {n} sublayers in a stack whose layers have "
+                                 f"{sorted(set(self.plan.layer_sublayers))}: pass the layer's first sublayer (`first=`)")
         if prefix is not None and stats:
             raise ValueError("routing statistics need the whole weights: call without a prefix")
 
+        def index(k):
+            return (n * layer if first is None else first) + k
+
         def delta(k, state, final=False):
-            router, fn = sublayers[k]
-            x_BTD, weights_SBT, routed = self._input(state, SUBLAYERS_PER_LAYER * layer + k, router, final,
-                                                     sublayer_prefix(prefix, k))
+            router, fn, hook = (tuple(sublayers[k]) + (None,))[:3]
+            x_BTD, weights_SBT, routed, state = self._input(state, index(k), router, final,
+                                                            sublayer_prefix(prefix, k))
             stats_k = None
             if stats:
                 stats_k = routing_stats(weights_SBT, routed) if self.uses_routers else empty_stats(self.plan.n_slots)
-            return fn(x_BTD).astype(state.h_BTD.dtype), stats_k
+            out = fn(x_BTD)
+            out, output = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+            v_BTD = out.astype(state.h_BTD.dtype)
+            if hook is not None:  # the stream the next sublayer sees: its slot holds what was added
+                v_BTD = hook(state.h_BTD + v_BTD).astype(state.h_BTD.dtype) - state.h_BTD
+            return v_BTD, stats_k, output, state
 
         if only is not None:  # sublayer `only` alone on `state` (holding the final buffer)
-            v_BTD, _ = delta(only, state, final=True)
-            return v_BTD, routing_math.inv_rms(v_BTD, self.epsilon)
-        per_sublayer = []
-        for k in range(SUBLAYERS_PER_LAYER):
-            v_BTD, stats_k = delta(k, state)
-            state = self.add(state, SUBLAYERS_PER_LAYER * layer + k, v_BTD)
+            v_BTD, _, output, _ = delta(only, state, final=True)
+            inv_BT = routing_math.inv_rms(v_BTD, self.epsilon)
+            return (v_BTD, inv_BT) if output is None else (v_BTD, inv_BT, output)
+        per_sublayer, outputs = [], []
+        for k in range(n):
+            v_BTD, stats_k, output, state = delta(k, state)  # the state with any sources the router passed through
+            state = self.add(state, index(k), v_BTD)
             per_sublayer.append(stats_k)
-        return state, (jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None)
+            outputs.append(output)
+        stats_out = jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None
+        if any(o is not None for o in outputs):
+            return state, Outputs(tuple(outputs), stats_out)
+        return state, stats_out
 
     def stack(self, sublayers_of: Callable, params_L, e_BTD, *, store_once: bool = True, remat: bool = True):
-        """All L layers as one scan over `params_L` (a pytree stacked on a leading L axis);
-        `sublayers_of(params_l)` returns that layer's [(router, f)] (see `layer`). Returns the
-        final DepthState (then `output`). `store_once` (routed modes) runs deltares.nn.depth.depth_scan,
-        whose backward pass keeps one source buffer instead of one per layer; otherwise plain AD of
-        a scan, each layer rematerialised with `remat`."""
+        """All L identical layers as one scan, differentiable; returns the final depth state (then `output`).
+
+        Args:
+            sublayers_of: `sublayers_of(params_l)` returns layer l's [(router, f)] (see `layer`).
+            params_L: the layers' parameters, a pytree stacked on a leading axis [L, ...].
+            e_BTD: the embeddings [B, T, D].
+            store_once: in the routed modes, run deltares.nn.depth.depth_scan, whose backward pass keeps
+                one source buffer instead of one per layer; otherwise plain autodiff of the scan.
+            remat: with plain autodiff, recompute each layer in the backward pass.
+        """
 
         def layer_fn(params_l, state, layer, only=None):
             return self.layer(state, layer, sublayers_of(params_l), only=only)
@@ -221,10 +348,13 @@ def routing_stats(weights_SBT, routed):
     )
 
 
-def sublayer_stats(stats_L2, plan: ResidualPlan):
-    """The routing statistics of a stack's layers (`layer(stats=True)` stacked, leading axes [L, 2]) per
-    sublayer, leading axis 2L, with `n_sources` [2L]: what the models return and sow (STATS_COLLECTION)."""
-    out = {k: v.reshape((2 * plan.n_layers,) + v.shape[2:]) for k, v in stats_L2.items()}
+def sublayer_stats(stats_L2, plan: ResidualPlan, tail=None):
+    """The routing statistics of a stack's units (`layer(stats=True)` stacked, leading axes [units, P]; a
+    remainder unit's `tail`, leading axis its sublayers) per sublayer, leading axis J, with `n_sources`
+    [J]: what the models return and sow (STATS_COLLECTION)."""
+    out = {k: v.reshape((plan.n_units * plan.unit_size,) + v.shape[2:]) for k, v in stats_L2.items()}
+    if tail is not None:
+        out = {k: jnp.concatenate([v, tail[k]]) for k, v in out.items()}
     out["n_sources"] = jnp.asarray(plan.n_sources)
     return out
 
@@ -250,4 +380,4 @@ def _has_null(router) -> bool:
     return bool(getattr(router, "null_source", False))
 
 
-__all__ = ["DepthRouter", "DepthRouting", "DepthState", "apply_router", "init_router_params"]
+__all__ = ["DepthRouter", "DepthRouting", "DepthState", "Outputs", "apply_router", "init_router_params"]

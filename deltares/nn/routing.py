@@ -203,12 +203,39 @@ def _mask_shape(valid, S: int):
 
 
 def depth_route(sources, valid, query, gain, residual=None, *, eps=NORM_EPS, return_weights=False):
-    """Route over `sources` [S, B, T, D] with pseudo-query `query` and key-norm gain `gain` [D].
+    """Route over `sources` with a pseudo-query and a key-norm gain: softmax over the sources of
+    z_i = query . RMSNorm_gain(s_i), then the weighted sum of the sources. The reference every fast
+    path (the cached-1/rms routing of the stacks, the fused kernels) is tested against.
 
-    `valid` is [S] bool or broadcastable to [S, B, T]; at least one source must be
-    valid per token. With `residual` [B, T, D] the result is `residual + route(S)`
-    (additive routing, the Delta modes), otherwise `route(S)` (replacement, Kimi).
-    With `return_weights` also returns the softmax weights [S, B, T] (float32).
+    Args:
+        sources: the sources [S, B, T, D].
+        valid: [S] bool, or broadcastable to [S, B, T]: the sources routed over (at least one per token).
+        query: the pseudo-query [D].
+        gain: the key norm's gain [D].
+        residual: the stream [B, T, D]: with it the result is residual + route(S) (additive routing,
+            the Delta modes), else route(S) (replacement, the Kimi modes).
+        eps: the key norm's epsilon.
+        return_weights: also return the softmax weights.
+
+    Returns:
+        The routed [B, T, D] (the sources' dtype), with `return_weights` also the weights [S, B, T]
+        (float32). Logits and softmax are float32 (float64 for float64 sources).
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from deltares.nn import depth_route
+
+        S, B, T, D = 4, 2, 16, 64
+        sources_SBTD = jax.random.normal(jax.random.key(0), (S, B, T, D))
+        valid_S = jnp.array([True, True, True, False])        # the last slot is not filled yet
+        query_D, gain_D = jnp.zeros(D), jnp.ones(D)           # learned per sublayer
+        stream_BTD = jax.random.normal(jax.random.key(1), (B, T, D))
+        x_BTD = depth_route(sources_SBTD, valid_S, query_D, gain_D, residual=stream_BTD)    # Delta: h + route(S)
+        x_BTD, weights_SBT = depth_route(sources_SBTD, valid_S, query_D, gain_D, return_weights=True)  # Kimi
+        print(x_BTD.shape, weights_SBT[:, 0, 0])  # a zero query: uniform over the valid sources
+        ```
     """
     if sources.ndim != 4:
         raise ValueError(f"sources must be [S, B, T, D], got shape {sources.shape}")

@@ -4,18 +4,27 @@ XLA's CUDA compiler is the PJRT plugin of JAX's CUDA build (the wheel `jax-cuda1
 `jax[cuda12]` installs). Given a description of the GPU, XLA's `GpuTargetConfigProto` in text
 format (shipped in `deltares/training/gpu_targets/NAME.txtpb`, one per supported GPU), it makes
 compile-only devices (`jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`)
-and compiles for them on a CPU-only machine: GPU code, Triton (Pallas GPU) kernels included,
-and `compiled.memory_analysis()`. The plugin's topology string is
+and compiles for them on a CPU-only machine: GPU code, Triton and Mosaic GPU (Pallas) kernels
+included, and `compiled.memory_analysis()`. The plugin's topology string is
 "<partitions>x<hosts per partition>x<devices per host>"; `NAME:N` asks for "1x1xN", N GPUs of one
 host, as one process of the trainer sees a node's GPUs: a program sharded over them compiles with
 its collectives (NCCL) and each device's own memory.
 
-Where the plugin lives: wherever `jax` finds it (`pip install "jax[cuda12]==<jax version>"`, or
+The compiler needs, besides the plugin, CUDA's `ptxas` and `libdevice` (XLA and Triton turn their
+PTX into machine code with it; without libdevice XLA fails with "libdevice not found") and, for
+Mosaic GPU kernels, the runtime and lowering of `jax-cuda12-plugin`. All of them install from
+wheels, with no CUDA toolkit on the machine: requirements-cuda-compiler.txt (`jax-cuda12-pjrt`,
+`jax-cuda12-plugin`, `nvidia-cuda-nvcc-cu12` of the CUDA version the plugin was built with).
+
+Where they live: wherever `jax` finds them (`pip install "jax[cuda12]==<jax version>"`, or
 `pip install "deltares[gpu]"`), or in a folder of its own, out of the way of every other JAX
 program (a plugin installed beside jax is loaded by every JAX process, and on a machine without
-a GPU it prints CUDA warnings there): `pip install --no-deps --target DIR jax-cuda12-pjrt==<jax
-version>`, then DIR in $DELTARES_CUDA_COMPILER, or DIR = `<virtual env>/cuda-compiler`, where
-.ci/run puts it. Only this module adds that folder to `sys.path`.
+a GPU it prints CUDA warnings there): `pip install --no-deps --target DIR -r
+requirements-cuda-compiler.txt`, then DIR in $DELTARES_CUDA_COMPILER, or DIR = `<virtual
+env>/cuda-compiler`, where .ci/run puts it. Only this module adds that folder to `sys.path`, and
+it points every compiler at the folder's CUDA (`use_cuda_toolkit`): XLA's `xla_gpu_cuda_data_dir`
+(jax's `cuda_path`), Mosaic GPU's MOSAIC_GPU_CUDA_ROOT and runtime library, and the front of PATH,
+so that nothing of a CUDA toolkit the machine may have is read.
 """
 
 from __future__ import annotations
@@ -80,9 +89,48 @@ def _install_hint() -> str:
     version = jax.__version__
     return (
         f'pip install "jax[cuda12]=={version}" (or, kept out of other JAX programs\' way, '
-        f'pip install --no-deps --target {compiler_dir()} jax-cuda12-pjrt=={version}); '
+        f'pip install --no-deps --target {compiler_dir()} -r requirements-cuda-compiler.txt, for jax {version}); '
         "and run with JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (deltares.aot sets both where they are unset)"
     )
+
+
+SYSTEM_LIBDEVICE = "/usr/local/cuda/nvvm/libdevice/libdevice.10.bc"  # where XLA looks last
+CUDA_TOOLKIT = os.path.join("nvidia", "cuda_nvcc")  # nvidia-cuda-nvcc-cu12's folder: bin/ptxas, nvvm/libdevice
+MOSAIC_RUNTIME = os.path.join("jax_cuda12_plugin", "libmosaic_gpu_runtime.so")  # jax-cuda12-plugin's
+
+
+def cuda_toolkit(directory: str) -> str | None:
+    """The CUDA compiler files (ptxas, libdevice) installed from wheels in `directory`, or None."""
+    path = os.path.join(directory, CUDA_TOOLKIT)
+    files = (("bin", "ptxas"), ("nvvm", "libdevice", "libdevice.10.bc"))
+    ok = all(os.path.isfile(os.path.join(path, *f)) for f in files)
+    return path if ok else None
+
+
+def use_cuda_toolkit(directory: str) -> bool:
+    """Points XLA, Triton and Mosaic GPU at the CUDA of folder `directory` (wheels: ptxas, libdevice,
+    Mosaic GPU's runtime) rather than at a toolkit the machine may have: jax's `cuda_path` (every compile
+    sets XLA's `xla_gpu_cuda_data_dir` from it, jax 0.10 to 0.12), MOSAIC_GPU_CUDA_ROOT and
+    MOSAIC_GPU_RUNTIME_LIB_PATH (Mosaic GPU), and the folder's bin first on PATH (where a compiler looks
+    for ptxas by name). Whether the folder has them."""
+    from jax._src import lib
+
+    path = cuda_toolkit(directory)
+    if path is None:
+        return False
+    lib.cuda_path = path
+    os.environ["CUDA_ROOT"] = path  # what jax reads at start (jax._src.lib._cuda_path), for any later process
+    os.environ["MOSAIC_GPU_CUDA_ROOT"] = path
+    runtime = os.path.join(directory, MOSAIC_RUNTIME)
+    if os.path.isfile(runtime):
+        os.environ["MOSAIC_GPU_RUNTIME_LIB_PATH"] = runtime
+    mosaic = sys.modules.get("jax.experimental.mosaic.gpu.core")
+    if mosaic is not None:  # imported before: it set its own default
+        mosaic.cuda_root = path
+    bin_dir = os.path.join(path, "bin")
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    return True
 
 
 def _as_compiler() -> None:
@@ -104,8 +152,10 @@ def _as_compiler() -> None:
     # step, Triton kernels included) the plugin warns "cuda_plugin_extension is not found".
     logging.getLogger("jax_plugins.xla_cuda12").setLevel(logging.ERROR)
     directory = compiler_dir()
-    if os.path.isdir(os.path.join(directory, "jax_plugins")) and directory not in sys.path:
-        sys.path.append(directory)  # jax_plugins is a namespace package: its path follows sys.path
+    if os.path.isdir(os.path.join(directory, "jax_plugins")):
+        if directory not in sys.path:
+            sys.path.append(directory)  # jax_plugins is a namespace package: its path follows sys.path
+        use_cuda_toolkit(directory)
 
 
 def _register_plugin_late() -> bool:
@@ -156,13 +206,20 @@ def gpu_devices(name: str, count: int = 1) -> list:
     def make():
         return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology=f"1x1x{count}").devices)
 
+    devices = None
     try:
-        return make()
+        devices = make()
     except NotImplementedError:  # "topology not implemented for cuda": the plugin was not discovered
-        pass
-    if _register_plugin_late():
-        try:
-            return make()
-        except NotImplementedError:
-            pass
-    raise CudaCompilerMissing(f"--gpu={name}: XLA's CUDA compiler is not installed: {_install_hint()}")
+        if _register_plugin_late():
+            try:
+                devices = make()
+            except NotImplementedError:
+                pass
+    if devices is None:
+        raise CudaCompilerMissing(f"--gpu={name}: XLA's CUDA compiler is not installed: {_install_hint()}")
+    from jax._src import lib
+
+    if lib.cuda_path is None and not os.path.isfile(SYSTEM_LIBDEVICE):
+        raise CudaCompilerMissing(f"--gpu={name}: XLA's CUDA compiler has no ptxas and libdevice (the wheel "
+                                  f"nvidia-cuda-nvcc-cu12 of requirements-cuda-compiler.txt): {_install_hint()}")
+    return devices

@@ -9,10 +9,13 @@
 with the device's memory bandwidth from its target config and its dense tensor-core peak (bf16;
 TF32 for float32 products), and the step's time is the sum over its launches (a GPU runs one
 kernel at a time on one stream). cuDNN attention and cuBLAS calls are priced by their own FLOPs
-and bytes, Pallas (Triton) kernels by their bytes. The three constants are fitted to train steps
-measured on one H200 (`CALIBRATION`; the fit and its error on the rows left out of it:
-docs/explanations/performance.md). It is a model, not a measurement: it knows nothing of caches,
-overlap between kernels, or how well a given kernel uses the device.
+and bytes; Pallas kernels ("kernels of their own", `hlo_kernels.OWN_KERNELS`: Triton) by their
+bytes at a bandwidth efficiency of their own (`Calibration.kernel_bw_efficiency`), fitted on the
+steps measured with such a kernel. The constants are fitted to train steps measured on one H200
+(`CALIBRATION`; the fit, its error on whole settings left out of it, on the step time and on each
+mode's cost over baseline: docs/explanations/performance.md); `ratio_band` turns that error into
+the range of a mode's ratio to baseline. It is a model, not a measurement: it knows nothing of
+caches, overlap between kernels, or how well a given kernel uses the device.
 """
 
 from __future__ import annotations
@@ -31,19 +34,28 @@ CAVEAT = ("a model of the GPU's kernels (bytes at the memory bandwidth, FLOPs at
 
 @dataclass(frozen=True)
 class Calibration:
-    """The model's constants: the fractions of bandwidth and peak a kernel reaches, the cost of a launch."""
+    """The model's constants: the fractions of bandwidth and peak a kernel reaches, the cost of a launch, the
+    fraction of bandwidth a kernel of its own reaches (a Pallas kernel: `hlo_kernels.OWN_KERNELS`; None: as
+    XLA's kernels), and the range of the model's relative error on a mode's cost over baseline (model /
+    measured - 1 of the step time less baseline's) over the rows held out of the fit."""
 
     bw_efficiency: float
     flops_efficiency: float
     launch_seconds: float
+    kernel_bw_efficiency: float | None = None
+    overhead_error: tuple[float, float] = (0.0, 0.0)
     fitted_on: str = ""
 
 
-# Fitted by `python -m tests.gpu_calibration` on 2026-12-05 (jax 0.10.2's CUDA compiler): 7 H200 step times
-# fitted, 19 held out (mean |error| 4.8%, at most 19.9%; docs/explanations/performance.md). The launch cost
-# came out 0: with XLA's command buffers (CUDA graphs, on by default) launches cost no measurable time here.
-CALIBRATION = Calibration(bw_efficiency=0.81, flops_efficiency=0.63, launch_seconds=0.0,
-                          fitted_on="fitted to 7 H200 step times, 19 held out: mean error 4.8%, at most 19.9%")
+# Fitted by `python -m tests.gpu_calibration` on 2026-12-06 (jax 0.10.2's CUDA compiler) to the 26 H200 step times
+# of 2026-12-04, the kernels of their own (Triton) on the 4 that ran one; each of the 6 settings held out in turn:
+# step time mean |error| 4.6% (at most 19.2%), a mode's cost over baseline -24.5% to +21.8%
+# (docs/explanations/performance.md). The launch cost came out 0: with XLA's command buffers (CUDA graphs, on by
+# default) launches cost no measurable time here.
+CALIBRATION = Calibration(bw_efficiency=0.77, flops_efficiency=0.66, launch_seconds=0.0, kernel_bw_efficiency=0.593,
+                          overhead_error=(-0.245, 0.218),
+                          fitted_on="fitted to 26 H200 step times; on whole settings held out, step time mean error "
+                                    "4.6%, a mode's cost over baseline -24.5% to +21.8%")
 
 
 def bandwidth_of(gpu: str) -> float:
@@ -64,9 +76,14 @@ class Priced:
     seconds: float  # one launch: max of the two plus the launch cost
 
 
+def bw_efficiency_of(kernel: Kernel, cal: Calibration) -> float:
+    """The fraction of the bandwidth `kernel` reaches: a kernel of its own's, else XLA's kernels'."""
+    return cal.kernel_bw_efficiency if kernel.own and cal.kernel_bw_efficiency else cal.bw_efficiency
+
+
 def price(kernel: Kernel, bandwidth: float, cal: Calibration) -> Priced:
     """One launch of `kernel`: its bytes at the effective bandwidth, its FLOPs at the effective peak."""
-    memory = kernel.bytes / (bandwidth * cal.bw_efficiency)
+    memory = kernel.bytes / (bandwidth * bw_efficiency_of(kernel, cal))
     compute = kernel.flops / ((PEAK_TF32 if kernel.f32 else PEAK_BF16) * cal.flops_efficiency)
     return Priced(kernel, memory, compute, max(memory, compute) + cal.launch_seconds)
 
@@ -91,8 +108,8 @@ def kind_of(kernel: Kernel) -> str:
         target = what.split(":", 1)[1]
         if "fmha" in target or "cudnn" in target:
             return "attention (cuDNN)"
-        if "triton" in target:
-            return "Pallas kernels (Triton)"
+        if kernel.own:
+            return f"Pallas kernels ({kernel.own})"
         if "cublas" in target or "gemm" in target:
             return "matrix products"
         return f"custom call {target}"
@@ -139,6 +156,29 @@ def estimate(hlo_text: str, gpu: str, n_layers: int, cal: Calibration = CALIBRAT
         by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["seconds"])),
         bandwidth=bandwidth,
         calibration=dict(bw_efficiency=cal.bw_efficiency, flops_efficiency=cal.flops_efficiency,
-                         launch_seconds=cal.launch_seconds, fitted_on=cal.fitted_on),
+                         launch_seconds=cal.launch_seconds, kernel_bw_efficiency=cal.kernel_bw_efficiency,
+                         overhead_error=list(cal.overhead_error), fitted_on=cal.fitted_on),
         caveat=CAVEAT,
     )
+
+
+# --------------------------------------------------------------------------- a mode against baseline
+
+
+def ratio_band(mode_seconds: float, baseline_seconds: float, cal: Calibration = CALIBRATION) -> dict:
+    """A mode's estimated step over baseline's, and the range the ratio lies in if the model errs on the
+    mode's cost over baseline (its step less baseline's) as it did on the held-out rows: the measured
+    overhead is the model's / (1 + error), error in `cal.overhead_error` (baseline taken as estimated)."""
+    overhead = mode_seconds - baseline_seconds
+    ends = [1 + overhead / (1 + e) / baseline_seconds for e in cal.overhead_error]
+    return dict(ratio=mode_seconds / baseline_seconds, low=min(ends), high=max(ends), overhead_seconds=overhead)
+
+
+def verdict(low: float, high: float, goal: float) -> str:
+    """A goal of at most `goal`: "met" when the whole band lies at or below it, "missed" when it lies above,
+    else "undecided until measured"."""
+    if high <= goal:
+        return "met"
+    if low > goal:
+        return "missed"
+    return "undecided until measured"

@@ -1,7 +1,7 @@
 """The kernels of a compiled GPU program, read from its optimized HLO text.
 
 XLA's GPU compiler turns a program into a sequence of kernels: each fusion, each custom call
-(cuBLAS and cuDNN calls, Triton/Pallas kernels) and each unfused copy or transpose of the entry
+(cuBLAS and cuDNN calls, Pallas kernels: "kernels of their own", `OWN_KERNELS`) and each unfused copy or transpose of the entry
 computation is launched on its own; a `while` loop's body is launched once per iteration. For
 each kernel this module counts the bytes it must move (its operands and its output, where a
 fusion reads only a slice of an operand or writes a slice of its output in place, just that
@@ -31,7 +31,16 @@ _INSTRUCTION = re.compile(r"^(ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
         "opt-barrier", "add-dependency", "domain", "get-dimension-size", "iota"}
 SLICES = {"slice", "dynamic-slice", "gather"}
+# The custom calls of Pallas kernels on GPUs, by the backend that wrote them: Triton, and Mosaic GPU
+# (`mosaic_gpu_v2`; `mosaic_gpu` in older jax). Each is one launch, its bytes its operands and results (a
+# result aliasing an operand, a cotangent accumulated in place, is read and written).
 VIEWS = {"bitcast", "reshape"}  # the same elements under another shape
+# Kernels of their own: custom calls that launch a kernel a Pallas backend compiled for the program (not one of
+# XLA's fusions, not a cuBLAS or cuDNN call), priced with a bandwidth efficiency of their own
+# (deltares.training.gpu_step_time). A piece of the custom call's target -> the backend's name; a backend is
+# recognised by adding its target here.
+OWN_KERNELS = {"xla.gpu.triton": "Triton", "mosaic_gpu": "Mosaic GPU"}  # "mosaic_gpu" matches mosaic_gpu_v2 too
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
 @dataclass
@@ -78,6 +87,7 @@ class Kernel:
     op_name: str = ""  # the jax operation it came from (HLO metadata op_name), for grouping
     f32: bool = False  # its matrix products take float32 operands (TF32 on the tensor cores)
     count: int = 1  # launches (a loop body's kernels run once per iteration)
+    own: str = ""  # a kernel of its own: the backend that compiled it ("Triton"; OWN_KERNELS), else ""
 
 
 @dataclass
@@ -87,6 +97,16 @@ class Module:
 
     def table(self, computation: str) -> dict[str, Instruction]:
         return {i.name: i for i in self.computations[computation]}
+
+
+def own_kernel(target: str) -> str:
+    """The backend of a custom call's target that launches a kernel of its own ("Triton"), "" for any other."""
+    return next((name for piece, name in OWN_KERNELS.items() if piece in target), "")
+
+
+def own_kernel_calls(hlo_text: str) -> int:
+    """The custom calls of an HLO text that launch kernels of their own (each call once, loops not unrolled)."""
+    return sum(bool(own_kernel(t)) for t in _TARGET.findall(hlo_text))
 
 
 def type_bytes(type_text: str) -> float:
@@ -270,14 +290,15 @@ def kernel_of(module: Module, ins: Instruction, table: dict[str, Instruction]) -
         what = "gemm" if flops else f"fusion:{fusion_kind}"
         return Kernel(ins.name, what, read + written, flops, op_name, f32=any(t == "f32" for _, t in dots))
     if ins.opcode == "custom-call":
-        target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+        target = _TARGET.search(ins.attrs)
         target = target.group(1) if target else "?"
         flops = 0.0
         if "cublas" in target or "gemm" in target:
             flops = _gemm_custom_call_flops(ins, table)
         elif "fmha" in target or "cudnn" in target:
             flops = _attention_flops(ins, table)
-        return Kernel(ins.name, f"custom-call:{target}", sum(distinct) + ins.bytes, flops, op_name)
+        return Kernel(ins.name, f"custom-call:{target}", sum(distinct) + ins.bytes, flops, op_name,
+                      own=own_kernel(target))
     if ins.opcode == "dynamic-update-slice":
         update = operand_bytes[1] if len(operand_bytes) > 1 else 0.0
         return Kernel(ins.name, ins.opcode, 2 * update, 0.0, op_name)

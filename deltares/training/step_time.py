@@ -111,7 +111,7 @@ def slot_reads(plan, grouped: bool = False, unrolled: bool = False) -> float:
         return float(last_J.sum()) / 2
     if grouped:
         return plan.n_layers * plan.n_slots
-    return sum(seg.n_layers * seg.n_read for seg in plan.segments)
+    return sum(seg.n_units * seg.n_read for seg in plan.segments)
 
 
 def _model_slot_reads(model_cfg, plan) -> float:

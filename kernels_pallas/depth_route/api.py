@@ -4,8 +4,8 @@
 
 `depth_route(sources, valid, query, gain, residual=None, *, implementation="pallas")` means what
 `reference.depth_route` means (the oracle, here the "xla" implementation) and returns
-the output only, in the sources' dtype. The kernels ("pallas_tpu": Mosaic, "pallas_gpu":
-Triton) make one pass over the sources per token tile: each source's 1/rms and logit against
+the output only, in the sources' dtype. The kernels ("pallas_tpu": Mosaic TPU, "pallas_gpu":
+Triton, "pallas_mosaic_gpu": Mosaic GPU, Hopper) make one pass over the sources per token tile: each source's 1/rms and logit against
 q = w * g, and a float32 online softmax (running max, sum and weighted sum), then the residual
 add. They save the per-token log-sum-exp for the backward (not the weights), which is a
 Pallas kernel too: it re-reads the valid sources twice (first for c = sum_k a_k dout.s_k, then
@@ -16,6 +16,14 @@ only valid sources in the reads (invalid ones are skipped without a DMA on TPU).
 
 Masks: `valid` [S] (static or traced) or anything broadcastable to [S, B, T] (per-token; sent
 to the kernels as a float32 additive bias [S, B*T]). Masked sources get zero gradient.
+
+Sources: one array [S, B, T, D], or a sequence of S arrays [B, T, D] (unrolled layers' slots).
+The Mosaic GPU kernel takes such a sequence as S operands (no stacked copy; a source a static
+mask leaves out is not an operand at all); the others stack it. `pass_sources=True` (a sequence)
+returns (out, sources): the same arrays, passed through, so that routing the next sublayer over
+them sends their cotangents back through this call's backward pass, where the Mosaic GPU kernel
+adds its own into each in place (an aliased operand) instead of making a buffer-sized cotangent
+for XLA to sum; for the other implementations the passed sources are the arrays themselves.
 
 Dispatch: implementation="pallas" picks the kernel of the platform being targeted (the platform
 of the surrounding mesh, e.g. a `jax.set_mesh` or `jax.shard_map` over TPU devices compiled
@@ -46,6 +54,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from kernels_pallas import varying_axes, vary_like
 from kernels_pallas.depth_route import reference
@@ -54,9 +64,10 @@ from kernels_pallas.depth_route.reference import NORM_EPS
 # "pallas": the target platform's kernel (falling back to xla where none runs); "auto": the fastest
 # measured on the target platform (`implementation_for`); the others force one.
 # deltares' config.model.residual.impl takes these values.
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu")
 
-_PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+_PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_mosaic_gpu": "gpu"}
+MOSAIC_GPU = "pallas_mosaic_gpu"  # the one kernel that takes separate sources
 _WARNED: set[str] = set()
 
 
@@ -101,13 +112,16 @@ def implementation_for(implementation: str, phase_one: bool = False) -> str:
 def _backend(impl: str):
     if impl == "pallas_tpu":
         from kernels_pallas.depth_route import pallas_tpu as module
+    elif impl == MOSAIC_GPU:
+        from kernels_pallas.depth_route import pallas_mosaic_gpu as module
     else:
         from kernels_pallas.depth_route import pallas_gpu as module
     return module
 
 
-def _resolve(implementation, interpret, N, D, dtype, K=None) -> str:
-    """The implementation to run: `K` queries for phase one (`route_prefix`), None for `depth_route`."""
+def _resolve(implementation, interpret, N, D, dtype, K=None, S=1, bias=True) -> str:
+    """The implementation to run: `K` queries for phase one (`route_prefix`), None for `depth_route`
+    (over `S` sources; `bias`: a traced or per-token mask, for the Mosaic GPU kernel's limits)."""
     platform = target_platform()
     impl = implementation_for(implementation, phase_one=K is not None)
     if impl == "pallas":
@@ -117,7 +131,12 @@ def _resolve(implementation, interpret, N, D, dtype, K=None) -> str:
     reason = wrong_platform(impl, platform, interpret)
     if reason is None:
         backend = _backend(impl)
-        reason = backend.unsupported(N, D, dtype) if K is None else backend.prefix_unsupported(N, D, dtype, K)
+        if K is not None:
+            reason = backend.prefix_unsupported(N, D, dtype, K)
+        elif impl == MOSAIC_GPU:
+            reason = backend.unsupported(N, D, dtype, S, bias) or (interpret and backend.interpreter_missing())
+        else:
+            reason = backend.unsupported(N, D, dtype)
     if reason:
         _warn_once(f"{'depth_route' if K is None else 'route_prefix'}: {impl} cannot run ({reason}); using the xla implementation")
         return "xla"
@@ -156,32 +175,134 @@ def _route_bwd(cfg, saved, dout_ND):
 _route.defvjp(_route_fwd, _route_bwd)
 
 
-def depth_route(sources, valid, query, gain, residual=None, *, implementation="pallas", interpret=False,
-                eps=NORM_EPS):
-    """Route over `sources` [S, B, T, D] (see the module docstring); returns [B, T, D].
+def _static_mask(valid, S: int):
+    """A per-source mask known when tracing, as a NumPy bool [S]; None for a traced or per-token one."""
+    if isinstance(valid, jax.core.Tracer):
+        return None
+    v = np.asarray(valid, bool)
+    if v.ndim and v.shape[0] != S:
+        return None  # reference.check names the error
+    v = v.reshape(v.shape + (1,) * (3 - v.ndim))
+    return np.broadcast_to(v[:, 0, 0], (S,)) if v.shape[1:] == (1, 1) else None
 
-    implementation: "xla", "pallas" (the kernel of the target platform), "pallas_tpu", "pallas_gpu" or
-      "auto" (`implementation_for`: the kernel on a GPU, xla elsewhere).
+
+def depth_route(sources, valid, query, gain, residual=None, *, implementation="pallas", interpret=False,
+                eps=NORM_EPS, pass_sources=False):
+    """Route over `sources` [S, B, T, D] or S arrays [B, T, D] (see the module docstring); returns [B, T, D],
+    or with `pass_sources` (a sequence of sources) (out, the sources passed through).
+
+    implementation: "xla", "pallas" (the kernel of the target platform), "pallas_tpu", "pallas_gpu" (Triton),
+      "pallas_mosaic_gpu" (Mosaic GPU) or "auto" (`implementation_for`: the Triton kernel on a GPU, xla elsewhere).
     interpret: run the Pallas kernel in interpret mode (on CPU, for tests): True, or for
-      pallas_tpu a `pltpu.InterpretParams()` for the TPU interpret mode.
+      pallas_tpu a `pltpu.InterpretParams()` for the TPU interpret mode (pallas_mosaic_gpu: the Mosaic GPU
+      interpreter, jax 0.11 and later, `plgpu.InterpretGPUParams`).
     eps: the key norm's, 1 / sqrt(mean(s^2) + eps) (config.model.norm_eps in the model).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    valid = jnp.asarray(valid, bool)
-    reference.check(sources, valid, query, gain, residual)
-    S, B, T, D = sources.shape
-    impl = _resolve(implementation, interpret, B * T, D, sources.dtype)
+    listed = isinstance(sources, (tuple, list))
+    if pass_sources and not listed:
+        raise ValueError("pass_sources takes a sequence of sources [B, T, D]")
+    if listed:
+        sources = tuple(sources)
+        shapes = {(jnp.shape(s), jnp.dtype(s.dtype)) for s in sources}
+        if not sources or len(shapes) != 1 or len(jnp.shape(sources[0])) != 3:
+            raise ValueError(f"sources must be [S, B, T, D] or a sequence of S arrays [B, T, D] of one shape and "
+                             f"dtype, got {sorted(str(s) for s in shapes)}")
+    stacked = jax.ShapeDtypeStruct((len(sources),) + sources[0].shape, sources[0].dtype) if listed else sources
+    valid = jnp.asarray(valid, bool) if isinstance(valid, jax.core.Tracer) else np.asarray(valid, bool)
+    reference.check(stacked, valid, query, gain, residual)
+    S, B, T, D = stacked.shape
+    static = _static_mask(valid, S)
+    impl = _resolve(implementation, interpret, B * T, D, sources[0].dtype if listed else sources.dtype,
+                    S=S, bias=static is None)
+    if impl == MOSAIC_GPU and listed:
+        return _route_separate(sources, valid, static, query, gain, residual, interpret, eps, pass_sources)
+    if listed:
+        sources = jnp.stack(sources)
     if impl == "xla":
-        return reference.depth_route(sources, valid, query, gain, residual, eps=eps)
-    valid_S, bias_SN = _masks(valid, S, B, T)
+        out = reference.depth_route(sources, valid, query, gain, residual, eps=eps)
+    else:
+        valid_S, bias_SN = _masks(valid, S, B, T)
+        q_D = query.astype(jnp.float32) * gain.astype(jnp.float32)
+        res_ND = None if residual is None else residual.reshape(B * T, D)
+        args = [sources.reshape(S, B * T, D), valid_S, bias_SN, q_D, res_ND]
+        args = vary_like(args, frozenset().union(*(varying_axes(x) for x in args if x is not None)))
+        cfg = (impl, float(eps), interpret, None if residual is None else jnp.dtype(residual.dtype).name)
+        out = _route(cfg, *args).reshape(B, T, D)
+    return (out, tuple(sources)) if pass_sources else out
+
+
+# ----------------------------------------------------------------------------- separate sources (Mosaic GPU)
+
+def _route_separate(sources, valid, static, query, gain, residual, interpret, eps, pass_sources):
+    """The Mosaic GPU kernel over separate sources: those a static mask leaves out are not operands (and
+    are passed through untouched), a traced or per-token mask is a bias over all of them."""
+    S, (B, T, D) = len(sources), sources[0].shape
+    keep = list(range(S)) if static is None else [s for s in range(S) if static[s]]
+    if not keep:
+        raise ValueError("valid masks every source: depth routing needs at least one")
+    bias_SN = None
+    if static is None:
+        v_SN = jnp.broadcast_to(reference.valid_mask(valid, S), (S, B, T)).reshape(S, B * T)
+        bias_SN = jnp.where(v_SN, 0.0, -jnp.inf).astype(jnp.float32)
     q_D = query.astype(jnp.float32) * gain.astype(jnp.float32)
     res_ND = None if residual is None else residual.reshape(B * T, D)
-    args = [sources.reshape(S, B * T, D), valid_S, bias_SN, q_D, res_ND]
-    args = vary_like(args, frozenset().union(*(varying_axes(x) for x in args if x is not None)))
-    cfg = (impl, float(eps), interpret, None if residual is None else jnp.dtype(residual.dtype).name)
-    out_ND = _route(cfg, *args)
-    return out_ND.reshape(B, T, D)
+    srcs = tuple(sources[s].reshape(B * T, D) for s in keep)
+    axes = frozenset().union(*(varying_axes(x) for x in (*srcs, bias_SN, q_D, res_ND) if x is not None))
+    srcs = tuple(vary_like(list(srcs), axes))
+    bias_SN, q_D, res_ND = vary_like([bias_SN, q_D, res_ND], axes)
+    cfg = (float(eps), interpret, None if residual is None else jnp.dtype(residual.dtype).name)
+    out_ND, passed = _route_mgpu(cfg, srcs, bias_SN, q_D, res_ND)
+    if not pass_sources:
+        return out_ND.reshape(B, T, D)
+    through = list(sources)
+    for s, p in zip(keep, passed):
+        through[s] = p.reshape(B, T, D)
+    return out_ND.reshape(B, T, D), tuple(through)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _route_mgpu(cfg, srcs, bias_SN, q_D, res_ND):
+    eps, interpret, _ = cfg
+    from kernels_pallas.depth_route import pallas_mosaic_gpu as mgpu
+
+    out_ND, _ = mgpu.route_forward(srcs, bias_SN, q_D, res_ND, eps=eps, interpret=interpret)
+    return out_ND, srcs
+
+
+def _route_mgpu_fwd(cfg, srcs, bias_SN, q_D, res_ND):
+    """With symbolic zeros: each argument comes as a CustomVJPPrimal (value, perturbed)."""
+    eps, interpret, _ = cfg
+    from kernels_pallas.depth_route import pallas_mosaic_gpu as mgpu
+
+    srcs = tuple(s.value for s in srcs)
+    bias_SN, q_D = bias_SN.value if bias_SN is not None else None, q_D.value
+    res_ND = res_ND.value if res_ND is not None else None
+    out_ND, lse_N = mgpu.route_forward(srcs, bias_SN, q_D, res_ND, eps=eps, interpret=interpret)
+    return (out_ND, srcs), (srcs, bias_SN, q_D, lse_N)
+
+
+def _route_mgpu_bwd(cfg, saved, cotangents):
+    """The passed sources' cotangents (zero where a source is not routed again) are the buffers the
+    kernel adds each source's gradient into, in place."""
+    eps, interpret, res_dtype = cfg
+    from kernels_pallas.depth_route import pallas_mosaic_gpu as mgpu
+
+    srcs, bias_SN, q_D, lse_N = saved
+    dout_ND, d_passed = cotangents
+    if isinstance(dout_ND, SymbolicZero):
+        dout_ND = jnp.zeros(srcs[0].shape, srcs[0].dtype)
+    acc = tuple(None if isinstance(d, SymbolicZero) else d for d in d_passed)
+    ds, dq_D = mgpu.route_backward(srcs, bias_SN, q_D, lse_N, dout_ND.astype(srcs[0].dtype), acc, eps=eps,
+                                   interpret=interpret)
+    dres_ND = None if res_dtype is None else dout_ND.astype(res_dtype)
+    axes = frozenset().union(*(varying_axes(x) for x in (*srcs, q_D)))  # a cotangent varies as its primal
+    *ds, dq_D, dres_ND = vary_like([*ds, dq_D, dres_ND], axes)
+    return tuple(ds), None, dq_D, dres_ND
+
+
+_route_mgpu.defvjp(_route_mgpu_fwd, _route_mgpu_bwd, symbolic_zeros=True)
 
 
 # ----------------------------------------------------------------------------- phase one: K queries, one read

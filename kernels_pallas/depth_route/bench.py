@@ -106,6 +106,9 @@ def bench_shape(name, S, N, D, dtype, impl, interpret, iters, bandwidth, note=""
                                                      interpret=interpret), queries)
         if implementation == "xla":
             return programs(lambda *a: reference.depth_route(*a))
+        if implementation == api.MOSAIC_GPU:  # its layout: S separate sources (`kernel_args`), a static mask
+            return programs(lambda s, v, *a: api.depth_route(s, np.ones(S, bool), *a, implementation=implementation,
+                                                             interpret=interpret))
         return programs(lambda *a: api.depth_route(*a, implementation=implementation, interpret=interpret))
 
     fwd, both = build("xla")
@@ -115,7 +118,8 @@ def bench_shape(name, S, N, D, dtype, impl, interpret, iters, bandwidth, note=""
     else:
         fwd, both = build(impl)
         label = f"{impl}{' (interpret mode)' if interpret else ''}"
-        rows.append((label, timeit(fwd, args, iters), timeit(both, args, iters)))
+        kernel_args = (tuple(args[0]), *args[1:]) if impl == api.MOSAIC_GPU and not queries else args
+        rows.append((label, timeit(fwd, kernel_args, iters), timeit(both, kernel_args, iters)))
     floor_fwd, floor_both = rows[0][1], rows[0][2]
     what = f"phase one, K={queries} queries, " if queries else ""
     print(f"\n### {name}: {what}S={S}, B*T={N}, D={D}, {jnp.dtype(dtype).name}\n")
@@ -135,7 +139,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per program (default 20, 3 on CPU)")
-    parser.add_argument("--implementation", default=None, choices=("pallas_tpu", "pallas_gpu"),
+    parser.add_argument("--implementation", default=None,
+                        choices=("pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu"),
                         help="kernel to time (default: the platform's; on CPU none, unless given here)")
     parser.add_argument("--cpu_tokens", type=int, default=1024, help="B*T used on a CPU (default 1024)")
     parser.add_argument("--small", action="store_true", help="use --cpu_tokens on any platform")

@@ -35,15 +35,17 @@ def valid_mask(valid, S: int):
 
 
 def check(sources, valid, query, gain, residual=None) -> None:
-    """ValueError naming the argument whose shape does not fit [S, B, T, D] sources."""
-    if jnp.ndim(sources) != 4:
-        raise ValueError(f"sources must be [S, B, T, D], got shape {jnp.shape(sources)}")
-    S, D = sources.shape[0], sources.shape[-1]
+    """ValueError naming the argument whose shape does not fit [S, B, T, D] sources (an array, or
+    anything with its shape)."""
+    shape = tuple(getattr(sources, "shape", jnp.shape(sources)))
+    if len(shape) != 4:
+        raise ValueError(f"sources must be [S, B, T, D], got shape {shape}")
+    S, D = shape[0], shape[-1]
     for name, vec in (("query", query), ("gain", gain)):
         if jnp.shape(vec) != (D,):
             raise ValueError(f"{name} must have shape ({D},), got {jnp.shape(vec)}")
-    if residual is not None and jnp.shape(residual) != sources.shape[1:]:
-        raise ValueError(f"residual must have shape {sources.shape[1:]}, got {jnp.shape(residual)}")
+    if residual is not None and jnp.shape(residual) != shape[1:]:
+        raise ValueError(f"residual must have shape {shape[1:]}, got {jnp.shape(residual)}")
     valid_mask(valid, S)
 
 

@@ -87,11 +87,11 @@ long() {
 
 report() {
   mkdir -p "$OUT/figures"
-  python -m deltares.compare "$RUNS"/tiny/* --group --out "$OUT/results.md" --json "$OUT/groups.json"
+  python -m deltares.compare "$RUNS"/tiny/* --group --out "$OUT/results.md" --json "$OUT/groups.json" --overwrite
   python -m deltares.compare "$RUNS"/deep/* --group --out "$OUT/depth.md" --json "$OUT/depth.json" \
-    --depth_figure "$OUT/figures/depth_ppl.png"
+    --depth_figure "$OUT/figures/depth_ppl.png" --overwrite
   if compgen -G "$RUNS/long/*" > /dev/null; then
-    python -m deltares.compare "$RUNS"/long/* --out "$OUT/long.md"
+    python -m deltares.compare "$RUNS"/long/* --out "$OUT/long.md" --overwrite
   fi
   local tiny=()
   for mode in "${MODES[@]}"; do tiny+=(--workdir "$RUNS/tiny/${mode}_s0"); done

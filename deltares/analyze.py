@@ -48,7 +48,7 @@ from deltares.data.dataset import TokenData, data_units, eval_batches, prepared_
 from deltares.data.documents import SOURCE_HELP, DataError
 from deltares.common.outputs import OutputError, check_output
 from deltares.data.paths import write_file_whole, write_text_atomic
-from deltares.data.run_data import run_dataset_path
+from deltares.data.run_data import check_trained_tokenizer, run_dataset_path
 from deltares.interop.inference import check_params
 from deltares.nn.layers import DepthRouter
 from deltares.training.metrics import read_metrics
@@ -74,6 +74,7 @@ class Run(NamedTuple):
     step: int
     config: ml_collections.ConfigDict
     params: dict
+    dataset: dict | None = None  # the record of the data it was trained on (None: older checkpoints)
 
 
 def load_run(path: str) -> Run:
@@ -84,7 +85,7 @@ def load_run(path: str) -> Run:
         check_params(ckpt.state["params"], cfg.model)
     except (ValueError, KeyError, AttributeError) as err:
         raise AnalysisError(f"{path}: {err}") from None
-    return Run(run_name(ckpt.workdir), ckpt.workdir, ckpt.step, cfg, ckpt.state["params"])
+    return Run(run_name(ckpt.workdir), ckpt.workdir, ckpt.step, cfg, ckpt.state["params"], ckpt.dataset)
 
 
 def _local(path: str) -> str:
@@ -102,14 +103,16 @@ def held_out_tokens(run: Run, data: str | None, units: list[dict] | None = None,
                     text_field: str = "text") -> tuple[np.ndarray, str]:
     """Tokens to analyse: `data` (a prepared dataset's validation split, or the documents of `units`, the
     source `data` names: deltares.data.dataset.data_units), else the run's own validation split. Returns the
-    tokens and a description of where they come from."""
-    own = run_dataset_path(run.config.to_dict(), run.workdir)
-    if data is None:
-        tokens, source = TokenData(own).tokens("val"), os.path.join(own, "val")
-    elif units is None:
-        tokens, source = TokenData(data).tokens("val"), os.path.join(data, "val")
+    tokens and a description of where they come from. Data of another tokenizer than the checkpoint was
+    trained with is refused, as deltares.eval does."""
+    config = run.config.to_dict()
+    own = run_dataset_path(config, run.workdir)
+    dataset = TokenData(data if data is not None and units is None else own)
+    check_trained_tokenizer(dataset, run.dataset, config, run.workdir, run.step)
+    if data is None or units is None:
+        tokens, source = dataset.tokens("val"), os.path.join(dataset.path, "val")
     else:  # a source of documents, read and tokenized as deltares.eval does
-        tokens, _ = source_tokens(units, TokenData(own).tokenizer(), text_field)
+        tokens, _ = source_tokens(units, dataset.tokenizer(), text_field)
         source = data
     vocab = int(tokens.max()) + 1 if len(tokens) else 0
     if vocab > run.config.model.vocab_size:

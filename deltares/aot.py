@@ -50,8 +50,10 @@ compiler can allocate on one device, as the compiler states it (it is probed wit
 deliberately oversized program; a table of nominal per-chip HBM is the fallback).
 
 FLOPs per step are counted from the traced step (jaxpr): 2 * M * N * K for every matrix
-product of the global batch, a `scan`'s body times its length, rematerialised forwards
-included; elementwise work is left out. The compiler's own cost analysis is reported
+product of the global batch, and cuDNN's fused attention as its kernels compute it (4 B H T S D
+forward, 2.5 times that backward, halved under the causal mask: the convention of the GPU
+estimate), a `scan`'s body times its length, rematerialised forwards included; elementwise work
+is left out. The compiler's own cost analysis is reported
 beside it (`xla_flops_per_step` = its per-device figure times the devices); it counts the
 body of a loop once, so with `scan_layers` it sees one layer of the stack.
 
@@ -78,12 +80,11 @@ from deltares.training.compile_only import (  # noqa: F401 - re-exported: the to
     EXAMPLE_TOPOLOGIES,
     AotError,
     check_config,
-    mesh_config,
-    parse_topology,
     step_mesh,
     topology_devices,
     train_step,
 )
+from deltares.nn.config import check_platform
 from deltares.training.experiment import field_names
 from deltares.training.memory import compiled_bytes
 
@@ -171,11 +172,31 @@ def _subjaxprs(eqn):
                 yield inner
 
 
+# jax's cuDNN fused attention (jax.nn.dot_product_attention, implementation "cudnn"): primitive -> backward
+FUSED_ATTENTION = {"dot_product_attention_fwd": False, "dot_product_attention_fwd_wrapper": False,
+                   "dot_product_attention_bwd": True, "dot_product_attention_bwd_wrapper": True}
+
+
+def fused_attention_eqn_flops(eqn) -> float:
+    """FLOPs of one cuDNN fused attention equation (hlo_kernels.fused_attention_flops, as the GPU estimate
+    counts the compiled call): its query and key shapes in the equation's layout (BTNH or BNTH)."""
+    from deltares.training.hlo_kernels import fused_attention_flops
+
+    q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    if eqn.params["layout"] == 1:  # BNTH
+        (B, H, T, D), S = q, k[2]
+    else:  # BTNH
+        (B, T, H, D), S = q, k[1]
+    mask = getattr(eqn.params["mask_type"], "name", str(eqn.params["mask_type"]))
+    return fused_attention_flops(B * H, T, S, D, backward=FUSED_ATTENTION[eqn.primitive.name],
+                                 causal=mask in ("CAUSAL", "PADDING_CAUSAL"))
+
+
 def jaxpr_flops(jaxpr) -> float:
-    """Matrix-product FLOPs of a jaxpr (2 * output size * contracted size per dot_general),
-    a scan's body counted `length` times, a cond's costliest branch, a while body once, a
-    Pallas kernel's body once per grid step, a `shard_map` body (one device's shapes) once per
-    device of its manual mesh axes."""
+    """Matrix-product FLOPs of a jaxpr (2 * output size * contracted size per dot_general, and
+    a cuDNN fused attention call as `fused_attention_eqn_flops` counts it), a scan's body counted
+    `length` times, a cond's costliest branch, a while body once, a Pallas kernel's body once per
+    grid step, a `shard_map` body (one device's shapes) once per device of its manual mesh axes."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -184,6 +205,9 @@ def jaxpr_flops(jaxpr) -> float:
             lhs = eqn.invars[0].aval
             contracted = math.prod(lhs.shape[d] for d in lhs_contract)
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
+            continue
+        if name in FUSED_ATTENTION:
+            total += fused_attention_eqn_flops(eqn)
             continue
         inner = [jaxpr_flops(sub) for sub in _subjaxprs(eqn)]
         if not inner:
@@ -264,6 +288,10 @@ def analyze(cfg, topology: str | None, mesh_override: str | None = None, config_
         gpu, count = _gpu_target(gpu, estimate)  # the report names the GPU; `devices` says how many
     check_config(cfg)
     devices = _gpu_devices(gpu, count) if gpu else topology_devices(topology)
+    try:  # a kernel that cannot compile for the target: one line, not the lowering's traceback
+        check_platform(cfg.model, devices[0].platform, cfg.data.seq_len)
+    except ValueError as err:
+        raise AotError(f"config: {err} (the target: {topology or gpu})") from None
     mesh = step_mesh(cfg, devices, topology or f"{count} x {gpu}", mesh_override)
     global_batch, seq_len = cfg.train.global_batch, cfg.data.seq_len
     try:
@@ -455,7 +483,7 @@ def format_report(r: dict) -> str:
     lines += [
         "",
         f"FLOPs per step: {r['flops_per_step']:.3e} ({r['flops_per_device']:.3e} per device; matrix products of the "
-        f"traced step); 6N+attention estimate {r['model_flops_per_step']:.3e}",
+        f"traced step, cuDNN attention included); 6N+attention estimate {r['model_flops_per_step']:.3e}",
         f"fits: {'yes' if r['fits'] else 'NO'}",
     ]
     return "\n".join(lines)

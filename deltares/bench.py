@@ -329,10 +329,11 @@ def main(argv):
         sys.exit(f"error: {err}")
     except jax.errors.JaxRuntimeError as err:  # e.g. RESOURCE_EXHAUSTED: the step does not fit
         sys.exit(f"error: {str(err).strip().splitlines()[0]}")
+    ran = len(results)
     del results  # each mode's row was printed as it finished (on_mode)
     peak = device_peak_bytes()
     if peak is not None:
-        alive = "one mode at a time" if _SEQUENTIAL.value or len(results) == 1 else "all modes' states alive"
+        alive = "one mode at a time" if _SEQUENTIAL.value or ran == 1 else "all modes' states alive"
         print(f"device memory peak of the whole benchmark ({alive}): {peak / 2**30:.2f} GiB")
 
 

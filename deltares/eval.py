@@ -21,7 +21,6 @@ reports are scored (its val_bpb: the split's mean bytes per token).
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import jax
@@ -31,7 +30,7 @@ from absl import app, flags, logging
 
 from deltares.data.dataset import TokenData, Windows, data_units, eval_batches, prepared_folder, source_tokens
 from deltares.data.documents import DataError
-from deltares.data.run_data import check_token_ids, run_dataset_path
+from deltares.data.run_data import check_token_ids, check_trained_tokenizer, run_dataset_path
 from deltares.nn.model import Transformer
 from deltares.training.checkpoint import CheckpointError, load_checkpoint
 from deltares.training.scoring import metrics, score
@@ -60,9 +59,10 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches:
         dataset = TokenData(folder)
         tokens, n_bytes = dataset.tokens("val"), dataset.meta["splits"]["val"]["bytes"]
         where = f"{data} (its validation split)"
-        _check_tokenizer(dataset, ckpt)
-    else:
+        check_trained_tokenizer(dataset, ckpt.dataset, ckpt.config, ckpt.workdir, ckpt.step)
+    else:  # tokenized by the run's own dataset's tokenizer, checked to be the one it was trained with
         dataset = TokenData(run_dataset_path(ckpt.config, ckpt.workdir))
+        check_trained_tokenizer(dataset, ckpt.dataset, ckpt.config, ckpt.workdir, ckpt.step)
         tokens, n_bytes = source_tokens(units, dataset.tokenizer(), text_field)
         where = data
     if dataset.vocab_size > cfg.model.vocab_size:
@@ -80,21 +80,6 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch: int = 8, max_batches:
         raise DataError(f"the loss of step {ckpt.step} on {where} is not finite: the checkpoint's parameters or the "
                         "data are broken")
     return {"step": ckpt.step, "tokens": count, "bytes": n_bytes, "nats": nats, **metrics(nats, count, n_bytes)}
-
-
-def _check_tokenizer(dataset: TokenData, ckpt) -> None:
-    """DataError when `dataset` was made by another tokenizer than the one the checkpoint was trained
-    with (the checkpoint's dataset record; for older checkpoints, the run's own dataset when at hand)."""
-    saved = ckpt.dataset
-    if saved is None:
-        own = run_dataset_path(ckpt.config, ckpt.workdir)
-        if not os.path.exists(os.path.join(own, "meta.json")):
-            return
-        saved = TokenData(own).record()
-    if saved.get("tokenizer_sha256") != dataset.tokenizer_fingerprint:
-        raise DataError(f"{dataset.path} was tokenized with {dataset.meta['tokenizer']}, another tokenizer than the "
-                        f"one step {ckpt.step} was trained with ({saved.get('tokenizer')}, a different vocabulary "
-                        "or merges): its scores would mean nothing")
 
 
 def main(argv):

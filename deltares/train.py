@@ -38,7 +38,7 @@ from deltares.data.documents import BUILTIN, DataError
 from deltares.data.run_data import RunData, open_run_data
 from deltares.data.source import DataSource, unigram_perplexity
 from deltares.interop import hf
-from deltares.nn.attention import check_attention
+from deltares.nn.config import check_platform
 from deltares.nn.stack import with_layer_layout
 from deltares.training.experiment import field_names, flat_fields, validate_config
 from deltares.training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
@@ -51,6 +51,7 @@ from deltares.training.wandb_tracker import TrackerError, open_tracker
 from deltares.training.workdir import WorkdirError, WorkdirLock, check_workdir
 
 
+GRACE_S = 1.0  # a failed write waits this long for a deletion of the run directory under way to show
 # Fields that must match to resume a workdir: anything that changes shapes or the data stream.
 RESUME_KEYS = ("model", "seed", "data.seq_len", "data.dataset", "data.mixture", "train.global_batch")
 
@@ -162,11 +163,12 @@ def dry_run(cfg) -> dict:
     }
 
 
-def _check_resumable(saved: dict, saved_data: dict | None, cfg, source: DataSource, workdir: str) -> None:
+def _check_resumable(saved: dict, saved_data: dict | None, cfg, source: DataSource, workdir: str) -> list[str]:
     """Refuses to resume a checkpoint of another config or other data (unless config.force): the
-    fields in RESUME_KEYS, and the dataset the checkpoint recorded (its tokenizer and token counts)."""
+    fields in RESUME_KEYS, and the dataset the checkpoint recorded (its tokenizer and token counts).
+    Returns the differences config.force resumes despite ([] when there are none), each said."""
     current = config_json(cfg)
-    diffs = [key for key in RESUME_KEYS if _get(saved, key) != _get(current, key)]
+    diffs = resume_differences(saved, current)
     if saved_data:  # checkpoints written before the dataset record have none
         now = source.record()
         if saved_data.get("tokenizer_sha256") != now["tokenizer_sha256"]:
@@ -175,13 +177,25 @@ def _check_resumable(saved: dict, saved_data: dict | None, cfg, source: DataSour
             diffs.append(f"the data under data.dataset (token counts {saved_data.get('tokens')}, now {now['tokens']})")
     if diffs and not cfg.force:
         raise TrainError(
-            f"{workdir} holds a checkpoint of another config (differs in {', '.join(diffs)}); "
+            f"{workdir} holds a checkpoint of another config (differs in {'; '.join(diffs)}); "
             "use a new --workdir, or --config.force=True to resume it anyway"
         )
     if diffs:
-        say(f"warning: resuming {workdir} despite config differences in {', '.join(diffs)} (config.force)")
+        say(f"warning: resuming {workdir} despite config differences (config.force): {'; '.join(diffs)}; the "
+            "checkpoint's parameters and optimizer state are loaded into this config's model as they are, which "
+            "needs the same parameter names and shapes")
     if changed := changed_settings(saved, current):
         say(f"warning: resuming {workdir} with settings other than its checkpoint's: {'; '.join(changed)}")
+    return diffs
+
+
+def resume_differences(saved: dict, current: dict) -> list[str]:
+    """`config.<field> <saved> -> <now>` for every field of RESUME_KEYS (each field of a section) that differs
+    between a checkpoint's config and the resumed run's."""
+    before, now = flat_fields(saved), flat_fields(current)
+    keys = [key for key in sorted(before.keys() | now.keys()) if before.get(key) != now.get(key) and any(
+        key == k or key.startswith(k + ".") for k in RESUME_KEYS)]
+    return [f"config.{key} {before.get(key)!r} -> {now.get(key)!r}" for key in keys]
 
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
@@ -272,26 +286,40 @@ def train(cfg, workdir: str) -> dict:
     mesh = _mesh(cfg)
     workdir = paths.run_dir(workdir)
     fresh = not paths.is_remote(workdir) and not os.path.exists(workdir)
-    undo = (lambda: _remove_if_empty(workdir)) if fresh else (lambda: None)
+    made = []  # the new run directory (os.stat), once this run made it
+    undo = (lambda: _remove_if_empty(workdir, made)) if fresh else (lambda: None)
     try:
         with command_line.on_interrupt(undo), _locked(workdir) as lock:
-            _note("opening the data")
-            run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say)
-            _note("building the train step")
-            training = sharded_train_step(cfg, mesh, run.source.eos_id)
-            t = cfg.train
-            ckpt = Checkpointer(workdir, t.keep_last, t.keep_every)
+            made.extend([os.stat(workdir)] if fresh and jax.process_index() == 0 else [])
             try:
-                return _train(cfg, workdir, run, training, ckpt, lock)
-            finally:
-                ckpt.close()
+                _note("opening the data")
+                run = open_run_data(cfg, workdir, jax.process_index(), jax.process_count(), log=say,
+                                    through=lock.through)
+                _note("building the train step")
+                training = sharded_train_step(cfg, mesh, run.source.eos_id)
+                t = cfg.train
+                ckpt = Checkpointer(workdir, t.keep_last, t.keep_every, through=lock.through)
+                try:
+                    return _train(cfg, workdir, run, training, ckpt, lock)
+                finally:
+                    ckpt.close()
+            except Exception:
+                if (why := lock.problem()) is not None:  # the cause: the run directory moved, deleted, taken over
+                    raise TrainError(why) from None
+                raise
     except BaseException:
         undo()
         raise
 
 
-def _remove_if_empty(workdir: str) -> None:
-    """Removes what a run made and left empty: the checkpoints folder, the run directory."""
+def _remove_if_empty(workdir: str, made: list) -> None:
+    """Removes what a run made and left empty: the checkpoints folder, the run directory (once it was
+    locked, only while the path still leads to the directory it made, `made`)."""
+    try:
+        if made and not os.path.samestat(os.stat(workdir), made[0]):
+            return
+    except OSError:
+        return
     for path in (os.path.join(workdir, "checkpoints"), workdir):
         if os.path.isdir(path) and not os.listdir(path):
             os.rmdir(path)
@@ -307,8 +335,7 @@ def _mesh(cfg):
     try:
         mesh = make_mesh(cfg.mesh)
         check_batch_split(cfg.train, mesh)
-        check_attention(cfg.model.attention, mesh.devices.flat[0].platform, cfg.data.seq_len,
-                        cfg.model.residual.interpret)
+        check_platform(cfg.model, mesh.devices.flat[0].platform, cfg.data.seq_len)  # attention and kernels
     except ValueError as err:
         raise TrainError(str(err)) from None
     return mesh
@@ -317,7 +344,8 @@ def _mesh(cfg):
 @contextlib.contextmanager
 def _locked(workdir: str):
     """The run directory checked (`check_workdir`) and locked (`WorkdirLock`) for the run's duration,
-    by process 0; every process stops with TrainError when it cannot be."""
+    by process 0; every process stops with TrainError when it cannot be. Every process holds a local
+    run directory open (the others where they see it), and writes through it (`WorkdirLock.through`)."""
     lock, error = WorkdirLock(workdir, log=say), None
     with command_line.on_interrupt(lock.release):
         if jax.process_index() == 0:
@@ -332,6 +360,9 @@ def _locked(workdir: str):
             error = error or f"process 0 could not check or lock {workdir} (its error says why)"
         if error:
             raise TrainError(error)
+        if jax.process_index() != 0 and os.path.isdir(workdir):
+            with contextlib.suppress(OSError):  # unreadable here: this process writes by name
+                lock.hold()
         try:
             yield lock
         finally:
@@ -348,15 +379,17 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
         raise TrainError(str(err)) from None
     if start is not None:
         _note(f"restoring step {start}")
-        _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.source, workdir)
+        forced = _check_resumable(ckpt.config(start), ckpt.dataset(start), cfg, run.source, workdir)
         abstract_state = training.abstract_state
         try:
             ckpt.check_params(start, abstract_state["params"])
         except ValueError as err:
-            raise TrainError(f"cannot restore step {start} of {ckpt.directory} into this config: {err}") from None
+            raise TrainError(_cannot_resume(start, ckpt, str(err), forced, workdir)) from None
         try:
             state, data_state = ckpt.restore(start, abstract_state)
         except Exception as err:  # noqa: BLE001 - whatever the storage layer raises, one line
+            if forced:  # another config: its checkpoint is sound, it just does not fit
+                raise TrainError(_cannot_resume(start, ckpt, first_line(err), forced, workdir)) from None
             raise TrainError(
                 f"restoring step {start} of {ckpt.directory} failed ({first_line(err)}); if the step is damaged, "
                 "move it away or resume an older one with --config.train.resume_step"
@@ -374,6 +407,17 @@ def _start_state(cfg, workdir: str, run: RunData, training: ShardedTraining, ckp
     if params is None:
         return state, 0
     return jax.device_put({**state, "params": params, "opt_state": training.tx.init(params)}, training.state_shardings), 0
+
+
+def _cannot_resume(step: int, ckpt: Checkpointer, why: str, forced: list[str], workdir: str) -> str:
+    """Why step `step` does not restore into this config, and what to do: with config.force, its checkpoint is
+    of another config, not damaged, so it stays as it is and this config starts in a new run directory."""
+    message = f"cannot restore step {step} of {ckpt.directory} into this config ({why.rstrip(':')})"
+    if not forced:
+        return message
+    return (f"{message}: config.force resumes only a checkpoint whose parameters fit, and this one is of another "
+            f"config ({'; '.join(forced)}); nothing was changed. To start this config from its parameters (those "
+            f"of the same name and shape), use a new --workdir with --config.init_from={workdir}")
 
 
 def first_line(err: BaseException) -> str:
@@ -457,12 +501,13 @@ class _TrainLoop:
         self.state, self.start = _start_state(cfg, workdir, run, training, ckpt)
         self.all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
         self.config_record, self.dataset_record = config_json(cfg), run.source.record()
+        through = lock.through if lock is not None else workdir  # every write: see WorkdirLock.through
         try:
-            tracker = open_tracker(t.wandb, workdir, self.config_record)  # None unless config.train.wandb.project
+            tracker = open_tracker(t.wandb, workdir, self.config_record, through)  # None unless wandb.project is set
         except TrackerError as err:
             raise TrainError(str(err)) from None
-        self.writer = MetricsWriter(workdir, resume_step=self.start, tracker=tracker)
-        self.profiler = Profiler(workdir, t.profile_steps, t.profile_all_processes)
+        self.writer = MetricsWriter(through, resume_step=self.start, tracker=tracker)
+        self.profiler = Profiler(through, t.profile_steps, t.profile_all_processes)
         self.aside = _Aside()  # evaluations, routing statistics, peak memory and saves: not in the step time
         self.logged = False
         self.records = _Records(cfg, run, training, self.aside)
@@ -485,15 +530,24 @@ class _TrainLoop:
 
     def stop_for_storage(self, problem: str):
         """Stops the run for `problem`, or for what happened to the run directory where that is the cause."""
-        problem = (self.lock.problem() if self.lock is not None else None) or problem
         _wait_and_check(self.ckpt)  # a save in flight ends (or fails, quietly) before the run does
-        if self.lock is not None:
-            self.lock.clear_old_path()  # a save that raced a move of the run directory wrote to its old path
+        problem = self._run_directory_problem(problem)
         try:
             self.writer.truncate_after(self.ckpt.durable)  # no record of a step that no checkpoint holds
         except OSError:
             pass  # the run directory is gone or unwritable: the problem says so
         raise TrainError(problem)
+
+    def _run_directory_problem(self, problem: str) -> str:
+        """What happened to the run directory (`WorkdirLock.problem`), where that is why a write failed, else
+        `problem`. A write that failed because files vanished under it is most often a deletion of the whole
+        directory under way: it is given a moment to show as one."""
+        if self.lock is None:
+            return problem
+        deadline = time.monotonic() + GRACE_S
+        while not (why := self.lock.problem()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return why or problem
 
     def save(self, step: int) -> None:
         ckpt = self.ckpt
@@ -508,9 +562,8 @@ class _TrainLoop:
         except TrainError:
             raise
         except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
-            previous = (f"the previous checkpoint, step {ckpt.durable}, is intact" if ckpt.durable is not None
-                        else "no checkpoint was saved before it")
-            self.stop_for_storage(f"saving step {step} failed ({first_line(err)}); {previous} in {ckpt.directory}")
+            self.stop_for_storage(f"saving step {step} failed ({first_line(err)}); {ckpt.previous()} in "
+                                  f"{ckpt.directory}")
 
     def log(self, step: int, batch, step_time: float, save_now: bool) -> None:
         """The record of a logging (or saving) step, after checking that what is saved is finite. The first

@@ -22,15 +22,16 @@ usage() {
   cat <<'EOF'
 Usage: launch/gpu.sh [options] [-- train overrides...]
   --config FILE:MODE e.g. experiments/s220m.py:delta_block (env DELTARES_CONFIG)  required
-  --workdir DIR      run directory, relative to the repository root (env DELTARES_WORKDIR) required
-  --venv DIR         virtual environment to create/reuse (env DELTARES_VENV; default .venv)
+  --workdir DIR      run directory (env DELTARES_WORKDIR)                          required
+  --venv DIR         virtual environment to create/reuse (env DELTARES_VENV; default the checkout's .venv)
   --python PY        Python >= 3.11 that creates the venv (env DELTARES_PYTHON; default python3)
   --cuda 12|13       CUDA major version of the jax build (env DELTARES_CUDA; default 12)
   --gpus all|N|IDS   the GPUs to train on: all (default), the first N, or a list of IDs such as
                      0,2 or 3, (sets CUDA_VISIBLE_DEVICES; env DELTARES_GPUS)
   --skip-install     reuse the venv as it is
   --dry-run          print every command instead of running it
-Everything after `--` is passed to `python -m deltares.train`.
+A relative path is taken from the current directory; `~` is expanded.
+Everything after `--` is passed to `python -m deltares.train` (but --config and --workdir).
 EOF
 }
 PROG=gpu.sh
@@ -58,6 +59,9 @@ missing=()
 [[ -n $CONFIG ]] || missing+=(--config)
 [[ -n $WORKDIR ]] || missing+=(--workdir)
 ((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
+refuse_set_flags "give it before --" config workdir -- "${EXTRA[@]}"
+local_path WORKDIR --workdir
+local_path VENV --venv
 [[ $CUDA == 12 || $CUDA == 13 ]] || die "--cuda must be 12 or 13, not '$CUDA'"
 env=(env) count=0 # count: the GPUs JAX must see (0: any number)
 if [[ $GPUS =~ ^[1-9][0-9]*$ ]]; then
@@ -73,7 +77,8 @@ elif [[ $GPUS != all ]]; then
 fi
 check_config_and_jax_pin
 py=$VENV/bin/python
-run cd "$ROOT" # configs, relative workdirs and venvs are relative to the repository root
+cd "$ROOT" # every path above is absolute or relative to the checkout (local_path)
+((!DRY)) || echo "+ $(quote cd "$ROOT")"
 
 if ((INSTALL)); then
   if [[ ! -x $py ]]; then

@@ -17,7 +17,7 @@ CONFIG=${DELTARES_CONFIG:-}
 WORKDIR=${DELTARES_WORKDIR:-}
 VENV=${DELTARES_VENV:-}
 NODES=1 GPUS_PER_NODE=8 CPUS_PER_NODE=all MEM=all TIME='' PARTITION='' ACCOUNT='' JOB_NAME=deltares CONTAINER=''
-MOUNTS='' LOGS=runs/slurm SAVE_BEFORE=300 REQUEUE=1 DRY=0 SBATCH=() EXTRA=()
+MOUNTS='' LOGS='' SAVE_BEFORE=300 REQUEUE=1 DRY=0 SBATCH=() EXTRA=()
 STOPPED=75 # the trainers' exit status after a signal made them save before their last step (EX_TEMPFAIL)
 
 usage() {
@@ -36,21 +36,23 @@ Usage: launch/slurm.sh [options] [-- train overrides...]
   --partition P        sbatch --partition
   --account A          sbatch --account
   --job-name NAME      job name (default deltares)
-  --logs DIR           where the job script (DIR/NAME.sbatch) and its log (DIR/NAME-JOBID.log) go,
-                       relative to the repository root (default runs/slurm)
+  --logs DIR           where the job script (DIR/NAME.sbatch) and its log (DIR/NAME-JOBID.log) go
+                       (default the checkout's runs/slurm)
   --sbatch OPT         one more sbatch option, e.g. --sbatch=--qos=high (repeatable)
   --container IMAGE    run in this container image (pyxis/enroot: srun --container-image), the
                        checkout mounted at its own path; its python3 trains unless --venv is given
   --mounts LIST        more container mounts, SRC:DST[,SRC:DST...] (with --container)
-  --venv DIR           virtual environment every node sees (env DELTARES_VENV; default .venv;
-                       make it as launch/README.md says)
+  --venv DIR           virtual environment every node sees (env DELTARES_VENV; default the
+                       checkout's .venv; make it as launch/README.md says)
   --save-before S      seconds before the time limit when the trainers get SIGTERM to save
                        (default 300; less than --time)
   --no-requeue         a run that a signal stopped is not requeued (its log says to submit the
                        job again), nor is the job after a preemption or a node failure;
                        --requeue (the default) requeues it in each case
   --dry-run            print the job script and the sbatch command instead of submitting
-Everything after `--` is passed to `python -m deltares.train`.
+A relative path is taken from the current directory; `~` is expanded.
+Everything after `--` is passed to `python -m deltares.train` (but --config, --workdir and
+--stopped_exit_code, which it sets).
 EOF
 }
 PROG=slurm.sh
@@ -82,6 +84,11 @@ missing=()
 [[ -n $CONFIG ]] || missing+=(--config)
 [[ -n $WORKDIR ]] || missing+=(--workdir)
 ((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
+refuse_set_flags "give it before --" config workdir -- "${EXTRA[@]}"
+refuse_set_flags "the job script reads the exit status it sets" stopped_exit_code -- "${EXTRA[@]}"
+local_path WORKDIR --workdir
+local_path VENV --venv
+if [[ -n $LOGS ]]; then local_path LOGS --logs; else LOGS=runs/slurm; fi
 for var in NODES SAVE_BEFORE; do
   flag=--${var,,}
   [[ ${!var} =~ ^[1-9][0-9]{0,5}$ ]] || die "${flag//_/-} must be a positive whole number below 1000000, not '${!var}'"

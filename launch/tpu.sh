@@ -48,8 +48,11 @@ Usage: launch/tpu.sh [options] [-- train overrides...]      start training on ev
                      ~/deltares-logs/NAME-prepare.log; --config and --workdir are not needed
   --dry-run          print every command instead of running it
 Everything after `--` is passed to `python -m deltares.train` (with --prepare: to
-`python -m deltares.data.prepare`). Both run detached from the SSH session, so a dropped
-connection does not end them.
+`python -m deltares.data.prepare`), but the flags this script sets (--config and --workdir;
+--shard and --num_shards). Both run detached from the SSH session, so a dropped
+connection does not end them. --config is taken from the current directory (`~` expanded); a
+file outside the copied checkout is copied too, as .launch/FILE. --workdir is a path on the
+workers (relative to ~/deltares there) or a bucket.
 EOF
 }
 PROG=tpu.sh
@@ -84,6 +87,11 @@ for pair in "${required[@]}"; do
   [[ -n ${!var} ]] || missing+=("${pair#*:}")
 done
 ((${#missing[@]} == 0)) || die "missing required setting: ${missing[*]} (flag or DELTARES_* env var, see --help)"
+if [[ $ACTION == prepare ]]; then
+  refuse_set_flags "each worker gets its own share" shard num_shards -- "${EXTRA[@]}"
+else
+  refuse_set_flags "give it before --" config workdir -- "${EXTRA[@]}"
+fi
 ((DRY)) || command -v gcloud >/dev/null || die "gcloud not found on PATH (install the Google Cloud SDK, or use --dry-run)"
 
 where=(--zone "$ZONE")
@@ -137,15 +145,26 @@ else
   echo "tpu.sh: reusing TPU $NAME ($state)" >&2
 fi
 
-# 2. Copy the working tree (tracked and untracked files, minus .gitignore'd ones) to all workers.
-TARBALL="${TMPDIR:-/tmp}/deltares-$NAME-$$.tgz"
+# 2. Copy the working tree (tracked and untracked files, minus .gitignore'd ones) to all workers,
+# and an experiment file that is not among them as .launch/FILE.
+TARBALL="${TMPDIR:-/tmp}/deltares-$NAME-$$.tgz" STAGE='' extra=()
+((DRY)) || trap 'rm -rf "$TARBALL" ${STAGE:+"$STAGE"}' EXIT
+if [[ $ACTION == start ]] && { [[ $CONFIG == /* ]] || ! git -C "$ROOT" ls-files -co --exclude-standard --error-unmatch \
+  -- "${CONFIG%%:*}" >/dev/null 2>&1; }; then
+  file=${CONFIG%%:*} rest=${CONFIG:${#file}}
+  [[ $file == /* ]] || file=$ROOT/$file
+  STAGE="${TMPDIR:-/tmp}/deltares-$NAME-$$.d"
+  extra=(-C "$STAGE" ".launch/${file##*/}")
+  CONFIG=.launch/${file##*/}$rest
+  run mkdir -p "$STAGE/.launch"
+  run cp "$file" "$STAGE/.launch/"
+fi
 if ((DRY)); then
-  echo "+ git -C $(quote "$ROOT") ls-files -z -co --exclude-standard | tar -C $(quote "$ROOT") --null -czf $(quote "$TARBALL") -T -"
+  echo "+ git -C $(quote "$ROOT") ls-files -z -co --exclude-standard | tar -C $(quote "$ROOT") --null -czf $(quote "$TARBALL") -T -${extra[*]:+ $(quote "${extra[@]}")}"
 else
-  trap 'rm -f "$TARBALL"' EXIT
   git -C "$ROOT" ls-files -z -co --exclude-standard \
     | (cd "$ROOT" && while IFS= read -r -d '' f; do if [[ -e $f || -L $f ]]; then printf '%s\0' "$f"; fi; done) \
-    | tar -C "$ROOT" --null -czf "$TARBALL" -T -
+    | tar -C "$ROOT" --null -czf "$TARBALL" -T - "${extra[@]}"
 fi
 run "${tpu[@]}" scp "$TARBALL" "$NAME:deltares.tgz" "${where[@]}" --worker=all
 

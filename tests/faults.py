@@ -281,6 +281,18 @@ def other_data_same_path(bench, name, edit, evaluate=True):
     return [row(f"{name} (resume)", proc, lost=lost)] + ([row(f"{name} (eval)", evaluation)] if evaluate else [])
 
 
+def own_dataset_of_another_tokenizer(bench):
+    """A run directory whose `dataset/` holds the built-in corpus prepared with the bytes tokenizer, trained
+    with a config that asks for gpt2: refused before anything is read or written."""
+    workdir = bench.dir("own_dataset_other_tokenizer")
+    shutil.copytree(bench.data, os.path.join(workdir, "dataset"))
+    before = tree_digest(workdir)
+    proc = run(module_cmd("deltares.train", "--config", DEBUG, "--workdir", workdir, "--config.data.dataset=builtin",
+                          "--config.data.tokenizer=gpt2", "--config.model.vocab_size=50304", *RESUME))
+    return row("run's own dataset/ of another tokenizer than the config's", proc,
+               lost=unchanged(before, tree_digest(workdir)))
+
+
 def other_tokenizer(data):
     tf.edit_meta(__import__("pathlib").Path(data), tokenizer_sha256="0" * 64)
 
@@ -461,8 +473,9 @@ def between_saves(proc, workdir, action, timeout=240):
 
 
 def run_directory(bench):
-    """The run directory moved, deleted or its lock removed while a trainer writes it; a run resumed with
-    another learning rate; `compare` of a run being written."""
+    """The run directory moved, deleted or its lock removed while a trainer writes it, replaced by another
+    run or a link on its path repointed during a save (`taken_away`); a run resumed with another learning
+    rate; `compare` of a run being written."""
     rows = []
     for name, act in (("run directory moved during the run", lambda w: os.rename(w, w + "_moved")),
                       ("run directory deleted during the run", shutil.rmtree),
@@ -481,6 +494,7 @@ def run_directory(bench):
         else:
             recovered = recovered_like_reference(bench, workdir)
         rows.append(row(name, first, recovered, traceback="Traceback" in err))
+    rows += taken_away(bench)
     workdir = bench.finished_copy("other_lr")
     proc = bench.train(workdir, "--config.optim.lr=1e-3", "--config.train.steps=32")
     rows.append(row("resume with another learning rate", proc,
@@ -493,6 +507,64 @@ def run_directory(bench):
     proc.communicate(timeout=300)
     marked = "(running)" in found[0].stdout
     rows.append(row("compare of a run being written", found[0], "n/a" if marked else "NO (not marked)"))
+    return rows
+
+
+# issue 48: nothing written through a path that no longer leads to the run
+
+
+def in_a_save(proc, workdir, action, timeout=240) -> bool:
+    """Runs `action()` with the trainer `proc` paused while a checkpoint is being written (a temporary step
+    folder in checkpoints/); False, without acting, if no such moment came."""
+    deadline = time.monotonic() + timeout
+    folder = os.path.join(workdir, "checkpoints")
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        saving = os.path.isdir(folder) and any("tmp" in n for n in os.listdir(folder))
+        if saving:
+            action()
+        proc.send_signal(signal.SIGCONT)
+        if saving:
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def taken_away(bench):
+    """The run directory moved away and another run moved into its path, or a link on its path repointed to
+    another run, each while a save is being written: the trainer writes on where the run is and stops; the
+    other run must stay byte for byte (files and folders), and the rerun where the run went recovers."""
+    rows = []
+    for name in ("run directory replaced by another run during a save", "link on the run directory's path "
+                 "repointed during a save"):
+        root = bench.dir(slug(name))
+        os.makedirs(os.path.join(root, "A"))
+        os.symlink(os.path.join(root, "A"), os.path.join(root, "link"))
+        linked = "link" in name
+        workdir = os.path.join(root, "link", "run") if linked else os.path.join(root, "run")
+        other = os.path.join(root, "B" if linked else "other", "run")
+        shutil.copytree(bench.reference, other)
+        before = tf.tree(other)
+        where = os.path.join(root, "A", "run") if linked else os.path.join(root, "moved")
+
+        def act():
+            if linked:
+                os.symlink(os.path.join(root, "B"), os.path.join(root, "link.new"))
+                os.replace(os.path.join(root, "link.new"), os.path.join(root, "link"))
+            else:
+                os.rename(workdir, where)
+                os.rename(other, workdir)
+
+        proc = subprocess.Popen(bench.cmd(workdir, "--config.train.checkpoint_every=1"), cwd=ROOT, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        acted = in_a_save(proc, workdir, act)
+        out, err = proc.communicate(timeout=300)
+        first = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        rerun = bench.train(where)
+        recovered = recovered_like_reference(bench, where) if rerun.returncode == 0 else "NO"
+        changed = tf.tree(workdir) != before
+        rows.append(row(name if acted else f"{name} (NOT DONE: no save caught)", first, recovered,
+                        "YES (the other run changed)" if changed else "no", traceback="Traceback" in err))
     return rows
 
 
@@ -737,6 +809,7 @@ FAULTS = {
     "odd-length split": odd_length_split,
     "other tokenizer, same size": lambda b: other_data_same_path(b, "other tokenizer, same size", other_tokenizer),
     "other data, same path": lambda b: other_data_same_path(b, "other data, same path", other_tokens, evaluate=False),
+    "run's own dataset of another tokenizer": own_dataset_of_another_tokenizer,
     "non-finite loss": non_finite,
     "commands": commands,
     # issue 41: nothing destroyed

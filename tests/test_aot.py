@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from deltares import aot
+from deltares.training.compile_only import parse_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -199,10 +200,13 @@ def test_7b_on_four_v5e_chips_does_not_fit():
 @needs_libtpu
 @pytest.mark.parametrize(
     "topology, words",
-    [("v9z:2x2", "Invalid TPU"), ("v5e-16", "GENERATION:AxB"), ("v5e:4x4", "does not split")],
+    [("v9z:2x2", "Invalid TPU"), ("v5e-16", "GENERATION:AxB"), ("v5e:4x4", "does not split"),
+     ("v5e:2x2 --config.model.residual.impl=pallas_gpu", "'pallas_gpu' is invalid: cannot run here (it compiles for "
+      "gpu only (or runs with interpret=True), the target is tpu)")],
 )
 def test_bad_topology_or_batch_is_one_error_line(topology, words):
-    proc = run_aot("--config", "experiments/debug.py", "--topology", topology)
+    """(And a kernel named for another platform than the target's: the GPU routing kernel on a TPU slice.)"""
+    proc = run_aot("--config", "experiments/debug.py", "--topology", *topology.split())
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -225,11 +229,11 @@ def test_parse_oom_reads_both_compiler_messages():
 
 
 def test_parse_topology():
-    assert aot.parse_topology("v5p:2x2x2") == ("v5p", (2, 2, 2))
-    assert aot.parse_topology("v6e:8x8") == ("v6e", (8, 8))
+    assert parse_topology("v5p:2x2x2") == ("v5p", (2, 2, 2))
+    assert parse_topology("v6e:8x8") == ("v6e", (8, 8))
     for bad in ("v5p", "v5p-16", "v5p:2x", ""):
         with pytest.raises(aot.AotError):
-            aot.parse_topology(bad)
+            parse_topology(bad)
 
 
 def test_jaxpr_flops_counts_scans_and_grads():

@@ -46,9 +46,11 @@ needs_cuda_compiler = pytest.mark.skipif(
 COMPILES = """if True:
     import importlib.machinery, json, sys
     from deltares import aot
-    texts = []
+    texts, attention = [], []
     count = aot.pallas_kernel_calls
     aot.pallas_kernel_calls = lambda text: texts.append(text) or count(text)
+    eqn_flops = aot.fused_attention_eqn_flops  # each cuDNN attention equation the traced step's FLOPs count
+    aot.fused_attention_eqn_flops = lambda eqn: attention.append((eqn.primitive.name, eqn_flops(eqn))) or attention[-1][1]
     experiment = importlib.machinery.SourceFileLoader("debug", "experiments/debug.py").load_module()
     for label, impl, group in (("pallas", "pallas", 0), ("xla", "xla", 0), ("two_phase", "pallas", 2),
                                ("auto_bf16", "auto", 0), ("fsdp2", "xla", 0)):
@@ -67,6 +69,8 @@ COMPILES = """if True:
         prefix_calls = sum("depth_route_prefix" in line for line in lines)  # phase one's K-query kernels
         cudnn_calls = hlo.count('custom_call_target="__cudnn$fmha')
         report["hlo_collectives"] = {op: hlo.count(op) for op in ("all-gather", "reduce-scatter", "all-reduce")}
+        report["traced_attention"] = attention[:]
+        attention.clear()
         print(json.dumps(dict(impl=label, report=report, triton_calls=len(lines), prefix_calls=prefix_calls,
                               cudnn_calls=cudnn_calls)), flush=True)
 """
@@ -151,8 +155,7 @@ def test_gpu_estimate_reads_every_kernel_of_the_step(h100_compiles):
     for label in ("xla", "pallas", "auto_bf16"):
         report = h100_compiles[label][0]
         e = report["estimate"]
-        attention = e["by_kind"].get("attention (cuDNN)", {}).get("flops", 0.0)  # the jaxpr counts no cuDNN call
-        assert e["flops"] - attention == pytest.approx(report["flops_per_step"], rel=0.1), label
+        assert e["flops"] == pytest.approx(report["flops_per_step"], rel=0.1), label  # cuDNN attention in both
         assert e["seconds"] == pytest.approx(sum(row["seconds"] for row in e["by_kind"].values()))
         assert e["kernels"] == sum(row["kernels"] for row in e["by_kind"].values()) > 0
         assert e["routing_kernels"] > 0 and e["kernels_per_sublayer"] == e["kernels"] / (2 * report["n_layers"])
@@ -166,6 +169,24 @@ def test_gpu_estimate_reads_every_kernel_of_the_step(h100_compiles):
     B, T, H, D = report["global_batch"], report["seq_len"], 4, 16
     cudnn = report["estimate"]["by_kind"]["attention (cuDNN)"]
     assert cudnn["kernels"] == 2 * 3 and cudnn["flops"] == 3 * 3.5 * 4 * B * H * T * T * D / 2
+
+
+@needs_cuda_compiler
+def test_the_reported_flops_count_cudnn_attention(h100_compiles):
+    """The report's FLOPs per step (counted from the traced step) hold cuDNN's fused attention as its kernels
+    compute it: in the layer scan of experiments/debug.py (3 layers, 4 heads of 16) one causal forward call,
+    4 B H T T D / 2, and one backward, 2.5 times that, each counted once per layer. Against the same step with
+    the xla attention (float32, the same routing kernel), whose products are 12 B H T T D a layer (two of
+    2 B H T T D forward, twice those backward), the count differs by exactly 3 x (3.5 x 2 - 12) B H T T D."""
+    report = h100_compiles["auto_bf16"][0]
+    B, T, H, D, L = report["global_batch"], report["seq_len"], 4, 16, report["n_layers"]
+    forward = 4 * B * H * T * T * D / 2
+    assert report["traced_attention"] == [["dot_product_attention_fwd_wrapper", forward],
+                                          ["dot_product_attention_bwd_wrapper", 2.5 * forward]]
+    assert h100_compiles["pallas"][0]["traced_attention"] == []
+    assert report["routing_impl"] == "auto" and h100_compiles["pallas"][0]["routing_impl"] == "pallas"
+    assert report["flops_per_step"] - h100_compiles["pallas"][0]["flops_per_step"] == L * (3.5 * 2 - 12) * B * H * T * T * D
+    assert report["estimate"]["by_kind"]["attention (cuDNN)"]["flops"] == L * 3.5 * forward  # the compiled calls
 
 
 @needs_cuda_compiler
@@ -295,6 +316,18 @@ def test_target_configs_ship_and_state_the_memory():
         text = gpu_aot.target_config(name)
         assert 'platform_name: "CUDA"' in text and "major: 9" in text
     assert "4800000000000" in gpu_aot.target_config("h200") and "3352320000000" in gpu_aot.target_config("h100")
+
+
+@needs_cuda_compiler
+def test_splash_attention_for_a_gpu_is_one_error_line():
+    """The TPU splash kernel cannot lower for a GPU: refused in one line before anything is compiled (it was
+    a traceback of the Pallas lowering). The whole class, every platform, is walked in tests/test_attention.py."""
+    proc = run_module("deltares.aot", "--config", "experiments/debug.py:delta_block", "--gpu", "h100",
+                      "--config.model.attention=splash", "--config.data.seq_len=128", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: config: config.model.attention 'splash' runs on TPUs, these devices are gpu; use 'xla' "
+                      "(or config.model.residual.interpret=True: the Pallas interpreter, slow) (the target: h100)"]
 
 
 # ----------------------------------------------------------------------------- Mosaic GPU, and no system CUDA

@@ -143,7 +143,55 @@ def test_splash_block_needs_a_multiple_of_128():
 def test_attention_refuses_other_platforms(impl, platform, message):
     with pytest.raises(ValueError, match=message):
         check_attention(impl, platform, 2048)
+    with pytest.raises(ValueError, match=message):  # the platform is named first, not the length
+        check_attention(impl, platform, 100)
     check_attention("xla", platform, 100)  # xla runs everywhere, any length
+
+
+KERNELS_BY_PLATFORM = {  # what each named kernel compiles for (interpret=False)
+    ("attention", "cudnn"): {"gpu", "cuda"}, ("attention", "splash"): {"tpu"},
+    ("residual.impl", "pallas_tpu"): {"tpu"}, ("residual.impl", "pallas_gpu"): {"gpu", "cuda"},
+}
+
+
+@pytest.mark.parametrize("field,impl", KERNELS_BY_PLATFORM)
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "cuda", "tpu"])
+def test_a_kernel_named_for_another_platform_is_one_line(field, impl, platform):
+    """config.model.attention and config.model.residual.impl against the devices' platform, as the trainer
+    and deltares.aot check them before compiling (deltares.nn.config.check_platform): a kernel that cannot
+    lower there is one line naming the field, the kernel and the platform; with residual.interpret=True
+    (the Pallas interpreter) the Pallas kernels run anywhere; "auto", "pallas" and "xla" always pass."""
+    from deltares.nn.config import check_platform, model_config
+
+    cfg = model_config(dtype="bfloat16", head_dim=64, **({"attention": impl} if field == "attention" else
+                                                            {"residual": {"impl": impl}}))
+    if platform in KERNELS_BY_PLATFORM[field, impl]:
+        check_platform(cfg, platform, 1024)
+    else:
+        with pytest.raises(ValueError) as err:
+            check_platform(cfg, platform, 1024)
+        message = str(err.value)
+        assert f"config.model.{field}" in message and impl in message and "\n" not in message, message
+        assert platform in message or (platform == "cuda" and "gpu" in message), message
+    if impl != "cudnn":
+        check_platform(model_config(attention=impl if field == "attention" else "auto",
+                                    residual=dict(impl=impl if field != "attention" else "auto", interpret=True)),
+                       platform, 1024)
+    for other in ("auto", "pallas", "xla"):
+        if field == "residual.impl" or other != "pallas":
+            check_platform(model_config(**({"attention": other} if field == "attention" else
+                                           {"residual": {"impl": other}})), platform, 100)
+
+
+@pytest.mark.parametrize("dtype,head_dim,message", [
+    ("float32", 64, "computes in bfloat16 or float16"), ("bfloat16", 12, "multiple of 8"),
+    ("float16", 264, "at most 256"),
+])
+def test_cudnn_names_the_dtype_or_head_width_it_cannot_take(dtype, head_dim, message):
+    """On a GPU, cuDNN's attention at a dtype or head width it refuses: the cause, not a missing GPU."""
+    with pytest.raises(ValueError, match=message):
+        check_attention("cudnn", "gpu", 1024, dtype=jnp.dtype(dtype), head_dim=head_dim)
+    check_attention("cudnn", "gpu", 1024, dtype=jnp.bfloat16, head_dim=128)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on NVIDIA GPUs (JAX_PLATFORMS=cuda there)")
@@ -212,5 +260,8 @@ def test_cudnn_without_a_gpu_is_one_clear_error():
     q, k, v = inputs()
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present: cuDNN may run")
-    with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU"):
-        causal_attention(q, k, v, impl="cudnn")
+    with pytest.raises(ValueError, match=r"'cudnn' cannot run here \(.+\): it needs an NVIDIA GPU with cuDNN") as err:
+        causal_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), impl="cudnn")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="'cudnn' cannot run here"):
+        causal_attention(q, k, v, impl="cudnn")  # float32, off a GPU

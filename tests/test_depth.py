@@ -12,6 +12,7 @@ from deltares.nn.config import model_config
 from deltares.nn.losses import lm_loss
 from deltares.nn.model import Transformer
 from deltares.nn.residual import make_plan
+from roundoff import assert_close, with_tolerance
 
 ROUTED = ["full_attnres", "block_attnres", "delta", "delta_block"]
 
@@ -24,11 +25,16 @@ def _cfg(mode, remat, n_layers=5, d_model=32, block_layers=2, **residual):
     )
 
 
-def _loss_and_grads(model, params, tokens):
+def _loss_and_grads(model, params, tokens, tolerance=False):
+    """(loss, gradients); with `tolerance`, also how far float32 rounding can move them between two
+    implementations of this step (tests/roundoff.py: forward and backward stages of every sublayer)."""
     def loss(p):
         return lm_loss(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
 
-    return jax.jit(jax.value_and_grad(loss))(params)
+    step = jax.jit(jax.value_and_grad(loss))
+    if not tolerance:
+        return step(params)
+    return with_tolerance(step, params, stages=2 * (2 * model.config.n_layers + 2))
 
 
 @pytest.mark.parametrize("mode, residual", [(m, {}) for m in ROUTED] + [
@@ -46,11 +52,9 @@ def test_store_once_gradients_equal_standard_ad(mode, residual, remat="full"):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))
     params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-    loss0, grads0 = _loss_and_grads(reference, params, tokens)
+    (loss0, grads0), tol = _loss_and_grads(reference, params, tokens, tolerance=True)
     loss1, grads1 = _loss_and_grads(Transformer(_cfg(mode, remat, **residual)), params, tokens)
-    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
-    for (path, g0), g1 in zip(jax.tree_util.tree_flatten_with_path(grads0)[0], jax.tree.leaves(grads1)):
-        np.testing.assert_allclose(g1, g0, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+    assert_close((loss1, grads1), (loss0, grads0), tol)
     router_grads = [g for p, g in jax.tree_util.tree_flatten_with_path(grads1)[0] if "router" in jax.tree_util.keystr(p)]
     assert all(np.abs(g).max() > 0 for g in router_grads)
 

@@ -8,9 +8,12 @@ in tests/test_train.py's resume tests. `python tests/faults.py` runs every fault
 
 import json
 import os
+import random
 import resource
 import shutil
 import subprocess
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -279,7 +282,15 @@ def test_truncated_split_names_its_file(tmp_path, builtin_dataset):
 
 def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset, tmp_path):
     """The run was trained on the bytes tokenizer; a dataset whose tokenizer differs but has the same
-    vocabulary size (here: recorded under another fingerprint) must not resume it or be scored by it."""
+    vocabulary size (here: recorded under another fingerprint) must not resume it or be scored by it:
+    not by eval, nor analyze, whether named (`--data DIR`), the run's own (no `--data`), or the tokenizer
+    of text (`--data FILE`, tokenized with the run's own dataset's tokenizer)."""
+    from deltares.analyze import held_out_tokens, load_run
+    from deltares.data.dataset import data_units
+
+    text = tmp_path / "text.txt"
+    text.write_text("Call me Ishmael.\n\nSome years ago.\n")
+    analyzed = load_run(finished)
     data = copy_dataset(builtin_dataset, tmp_path)
     edit_meta(data, tokenizer_sha256="0" * 64)
     before = tree_digest(finished)
@@ -290,8 +301,13 @@ def test_another_tokenizer_of_the_same_size_is_refused(finished, builtin_dataset
         shutil.copytree(data, builtin_dataset)
         with pytest.raises(TrainError, match="differs in the tokenizer of the dataset"):
             train(cfg, finished)
-        with pytest.raises(DataError, match="another tokenizer than the one step 30 was trained with"):
-            evaluate_checkpoint(finished, str(builtin_dataset))
+        for refused in (lambda: evaluate_checkpoint(finished, str(builtin_dataset)),
+                        lambda: evaluate_checkpoint(finished, str(text)),
+                        lambda: held_out_tokens(analyzed, str(builtin_dataset)),
+                        lambda: held_out_tokens(analyzed, None),
+                        lambda: held_out_tokens(analyzed, str(text), data_units(str(text)))):
+            with pytest.raises(DataError, match="another tokenizer than the one step 30 was trained with"):
+                refused()
         edit_meta(builtin_dataset, tokenizer_sha256=None)  # same tokenizer, other token counts: other data
         shrink_train(builtin_dataset, 100)
         with pytest.raises(TrainError, match="differs in the data under data.dataset"):
@@ -399,33 +415,102 @@ def test_prompt_longer_than_the_context_is_cut_with_a_warning(reference):
     assert proc.stdout.startswith(long_prompt)
 
 
-def test_run_directory_moved_during_the_run_names_where_and_resumes_there(tmp_path, builtin_dataset):
-    """Moved while training: one line naming where it went (not a checkpoint path that no longer exists,
-    nor another trainer); rerun there, it resumes from its last checkpoint. (Deleted, and a removed lock
-    file: tests/test_workdir.py.) The trainer is paused for the move between two saves, so that the test
-    does not depend on where a background save stands."""
-    import signal
-    import time
+# ----------------------------------------------------------------------------- the run directory taken away
 
-    workdir, moved = tmp_path / "run", tmp_path / "moved"
-    overrides = (f"--config.data.dataset={builtin_dataset}", "--config.train.log_every=1",
-                 "--config.train.checkpoint_every=4")
-    proc = subprocess.Popen(train_cmd(workdir, *overrides, "--config.train.steps=5000"), cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while proc.poll() is None and time.time() < deadline:
-        proc.send_signal(signal.SIGSTOP)
-        steps = checkpoint_steps(workdir)
-        if steps and not any(n.endswith("tmp") for n in os.listdir(workdir / "checkpoints")):
-            os.rename(workdir, moved)  # no save in flight: the trainer finds the move before its next one
-            proc.send_signal(signal.SIGCONT)
-            break
-        proc.send_signal(signal.SIGCONT)
-        time.sleep(0.05)
-    out, err = proc.communicate(timeout=240)
-    assert_clean_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "was moved to",
-                       f"--workdir {moved} to resume")
-    assert not workdir.exists()  # nothing written at the old path after the move
-    again = run(train_cmd(moved, *overrides, "--config.train.steps=12"))
-    assert again.returncode == 0 and "resumed" in again.stderr, describe(again)
-    assert checkpoint_steps(moved)[-1] == 12 and not (moved / "LOCK").exists()
+
+def tree(root):
+    """{relative path: sha256 of a file, or "dir"} of everything under `root`: files and folders."""
+    out = {os.path.relpath(os.path.join(d, n), root): "dir" for d, dirs, _ in os.walk(root) for n in dirs}
+    return {**out, **tree_digest(root)}
+
+
+def take_away(how, workdir, other, tmp_path):
+    """Takes the run directory `workdir` away from its path `how`, and puts the run `other` there (but for
+    "moved"). Returns where the run is now (None: deleted) and the path whose content must stay `other`'s."""
+    if how == "moved":
+        os.rename(workdir, tmp_path / "moved")
+        return tmp_path / "moved", None
+    if how == "deleted":
+        while workdir.exists():  # the trainer may be writing into it meanwhile
+            shutil.rmtree(workdir, ignore_errors=True)
+        os.rename(other, workdir)
+        return None, workdir
+    if how == "replaced by another run":
+        os.rename(workdir, tmp_path / "moved")
+        os.rename(other, workdir)
+        return tmp_path / "moved", workdir
+    os.symlink(other.parent, tmp_path / "link.new")  # a link on the path repointed: link/run is the other run
+    os.replace(tmp_path / "link.new", tmp_path / "link")
+    return tmp_path / "A" / "run", workdir
+
+
+TAKEN_AWAY = {"moved": "was moved to", "deleted": "was deleted during the run",
+              "replaced by another run": "was moved to", "link repointed": "no longer leads to the run directory"}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a failed save's writes, collected
+@pytest.mark.parametrize("how", TAKEN_AWAY)
+def test_a_run_directory_taken_away_at_a_random_moment_gets_nothing_more(how, tmp_path, builtin_dataset, reference,
+                                                                         capsys):
+    """Moved, deleted, replaced by another run, or a link on its path repointed while the trainer writes
+    (a save in flight or not, at a moment drawn at random: after 0 to 5 logged steps and up to a step more;
+    twice): the trainer stops with one line naming what happened, and writes nothing at the old path: the
+    run put there is the same byte for byte, with no folder added (a temporary checkpoint folder). Where
+    the run went it is whole: no temporary folder, no metrics record after its newest checkpoint. (Moved, a
+    rerun there resumes: the first class.)"""
+    seed = int(os.environ.get("DELTARES_TEST_SEED", time.time_ns() % 10**6))
+    rng = random.Random(f"{how}-{seed}")
+    for attempt in range(2):
+        root = tmp_path / str(attempt)
+        (root / "A").mkdir(parents=True)
+        os.symlink(root / "A", root / "link")
+        workdir = (root / "link" / "run") if how == "link repointed" else (root / "run")
+        other = root / ("B" if how == "link repointed" else "other") / "run"
+        shutil.copytree(reference["workdir"], other)
+        before = tree(other)
+        logged, pause = rng.randint(0, 5), rng.uniform(0, 0.05)
+        moment = f"{how}, seed {seed}, attempt {attempt}: after {logged} logged steps and {pause:.3f} s"
+        outcome = {}
+
+        def act():
+            try:
+                metrics = workdir / "metrics.jsonl"
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not (workdir / "LOCK").exists():
+                    time.sleep(0.001)
+                while time.monotonic() < deadline and logged and (
+                        not metrics.exists() or metrics.read_text().count("\n") < logged):
+                    time.sleep(0.001)
+                time.sleep(pause)
+                outcome["where"], outcome["kept"] = take_away(how, workdir, other, root)
+            except BaseException as err:  # noqa: BLE001 - reported by the test
+                outcome["error"] = err
+
+        thread = threading.Thread(target=act)
+        thread.start()
+        cfg = config_with(builtin_dataset, steps=400, log_every=1, checkpoint_every=1, eval_every=1000, stats_every=0)
+        try:
+            with pytest.raises(TrainError) as err:
+                train(cfg, str(workdir))
+        finally:
+            thread.join()
+        assert "error" not in outcome, (moment, outcome)
+        message = str(err.value)
+        assert TAKEN_AWAY[how] in message and "\n" not in message, (moment, message)
+        assert "Traceback" not in capsys.readouterr().err
+        where, kept = outcome["where"], outcome["kept"]
+        if kept is not None:
+            assert tree(kept) == before, moment  # byte for byte, no folder or file added
+        else:
+            assert not workdir.exists(), moment
+        if where is not None:
+            assert f"--workdir {where} to resume" in message, (moment, message)
+            names = [n for _, dirs, files in os.walk(where) for n in dirs + files]
+            assert not any("tmp" in n for n in names) and "LOCK" not in names, (moment, names)
+            steps = checkpoint_steps(where)
+            records = read_metrics(where) if (where / "metrics.jsonl").exists() else []
+            assert not records or (steps and records[-1]["step"] <= steps[-1]), (moment, steps, records[-1:])
+    if how == "moved" and steps:
+        again = train(config_with(builtin_dataset, steps=steps[-1] + 2, log_every=1, eval_every=1000,
+                                  stats_every=0), str(where))
+        assert again["step"] == steps[-1] + 2 and f"resumed {where} from step {steps[-1]}" in capsys.readouterr().err

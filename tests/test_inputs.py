@@ -28,7 +28,9 @@ from deltares.data.prepare import make_plan, prepare, unit_pieces
 from deltares.data.run_data import open_run_dataset
 from deltares.data.tokenizer import ByteTokenizer
 from deltares.generate import read_prompts
-from test_domains import command_flags, parse  # noqa: F401 - command_flags: a fixture
+from test_domains import command_flags as _command_flags, parse
+
+command_flags = _command_flags  # a fixture of test_domains, used here too
 
 DOCS = {"a.txt": ["alpha one", "alpha two"], "b.txt": ["beta one"], "data[1].txt": ["bracket one", "bracket two"]}
 
@@ -276,7 +278,7 @@ TOOLS = {  # module: the command line without the input, the flag that names it
 
 
 @pytest.mark.parametrize("module", TOOLS)
-def test_each_command_names_the_input_in_one_error_line(tree, module, command_flags, monkeypatch, tmp_path):  # noqa: F811
+def test_each_command_names_the_input_in_one_error_line(tree, module, command_flags, monkeypatch, tmp_path):
     """The tool's own `main`, on its parsed flags: the input is checked before a checkpoint is loaded or
     anything written."""
     monkeypatch.chdir(tree)

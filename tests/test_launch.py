@@ -10,7 +10,6 @@ detached start, the log and pid files and `--stop` run for real there, with a fa
 trainer that saves and exits on SIGTERM.
 """
 
-import concurrent.futures
 import json
 import os
 import re
@@ -418,7 +417,7 @@ def test_gpu_dry_run_prints_every_step(tmp_path):
     check = find(cmds, "-c")
     assert check[:2] == ["env", py] and "jax.devices()" in check[-2] and check[-1] == "0"  # JAX sees any number
     assert cmds[-1] == ["env", py, "-m", "deltares.train", "--config", "experiments/s220m.py:delta_block",
-                        "--workdir", "runs/x", *OVERRIDES]
+                        "--workdir", str(tmp_path / "runs" / "x"), *OVERRIDES]  # from where it was started
 
 
 def test_gpu_options(tmp_path):
@@ -485,7 +484,8 @@ def test_gpu_real_run_with_a_fake_venv(tmp_path, no_gpu):
         assert res.returncode != 0 and len(calls) == 5
     else:
         assert res.returncode == 0, res.stderr
-        assert calls[5][1:] == ["0", "-m", "deltares.train", *GPU_ARGS, "--config.train.steps=3"]
+        assert calls[5][1:] == ["0", "-m", "deltares.train", *GPU_ARGS[:3], str(tmp_path / "runs" / "x"),
+                                "--config.train.steps=3"]
 
 
 FAKE_JAX = """__version__ = "fake"
@@ -514,6 +514,103 @@ def test_gpu_check_wants_the_gpus_asked_for(tmp_path, platform, devices, gpus, e
     else:
         assert res.returncode == 1 and res.stderr.strip() == f"gpu.sh: error: {error}" + (
             "" if platform == "gpu" else " (driver? --cuda 12/13?)")
+
+
+# ---------------------------------------------------------------- every launcher: paths and flags
+
+
+def launched_train(script, args, cwd, env):
+    """The argv of the trainer a --dry-run of `script` starts (for tpu.sh, inside the remote command)."""
+    res = run(script, ["--dry-run", *args], env=env, cwd=str(cwd))
+    assert res.returncode == 0, res.stderr
+    if script == TPU:
+        return train_argv(opt([c for c in commands(res.stdout) if "ssh" in c][-1], "--command"))
+    if script == SLURM:
+        (line,) = [line for line in res.stdout.splitlines() if line.startswith("srun ")]
+        words = shlex.split(line)[:-1]
+    else:
+        words = commands(res.stdout)[-1]
+    return words[words.index("-m") - 1:]
+
+
+SCRIPTS = {"tpu.sh": (TPU, TPU_ARGS[:6]), "gpu.sh": (GPU, ["--skip-install"]), "slurm.sh": (SLURM, [])}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_paths_are_taken_from_where_the_launcher_starts(name, tmp_path, path_without_gcloud):
+    """--config (and for gpu.sh and slurm.sh --workdir and --venv): relative to the current directory, not
+    the checkout; `~` expanded (the shell leaves `--venv=~/x` alone); absolute as given; a shipped
+    experiment by name from anywhere. Inside the checkout a path is written relative to it (the trainer
+    runs there, on a TPU worker too)."""
+    script, base = SCRIPTS[name]
+    here, home = tmp_path / "here", tmp_path / "home"
+    (here / "sub").mkdir(parents=True)
+    (home / "exp").mkdir(parents=True)
+    (here / "sub" / "my.py").write_text("# an experiment\n")
+    (home / "exp" / "h.py").write_text("# another\n")
+    env = clean_env(HOME=str(home), PATH=path_without_gcloud)
+    local = script != TPU  # tpu.sh's workdir is a path on the workers, passed on as given
+    for config, workdir, venv, want_config, want_workdir, want_py in [
+        ("sub/my.py:delta", "runs/x", "v", f"{here}/sub/my.py:delta", f"{here}/runs/x", f"{here}/v/bin/python"),
+        ("~/exp/h.py:delta", "~/w", "~/v", f"{home}/exp/h.py:delta", f"{home}/w", f"{home}/v/bin/python"),
+        (f"{here}/sub/../sub/my.py", "gs://b/r", f"{ROOT}/.venv-x", f"{here}/sub/my.py", "gs://b/r",
+         f"{ROOT}/.venv-x/bin/python"),
+        ("tiny:delta", "../w", "./v", "experiments/tiny.py:delta", f"{tmp_path}/w", f"{here}/v/bin/python"),
+        ("experiments/tiny.py:delta", f"{ROOT}/runs/y", "v", "experiments/tiny.py:delta", "runs/y", None),
+        (f"{ROOT}/experiments/tiny.py", "w", "v", "experiments/tiny.py", f"{here}/w", None),
+    ]:
+        args = [*base, f"--config={config}", "--workdir", workdir, *([f"--venv={venv}"] if local else [])]
+        argv = launched_train(script, args, here, env)
+        if script == TPU and not want_config.startswith("experiments/"):  # copied with the checkout
+            want_config = f".launch/{want_config.rsplit('/', 1)[1]}"
+        assert argv[argv.index("--config") + 1] == want_config, (config, argv)
+        assert argv[argv.index("--workdir") + 1] == (want_workdir if local else workdir), (workdir, argv)
+        if local and want_py:
+            assert os.path.join(ROOT, argv[0]) == want_py, (venv, argv)  # run from the checkout
+    for config, needle in (("nope.py:x", f"--config nope.py: no such file (a relative path is taken from {here})"),
+                           ("sub", "--config sub: is a folder"), ("~nobody_here/x.py", "no user 'nobody_here'")):
+        check_one_line_error(run(script, ["--dry-run", *base, "--config", config, "--workdir", "w"], env=env,
+                                 cwd=str(here)), needle)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("flag", ["--workdir=/other", "--workdir", "-workdir=x", "--config", "--config=tiny:x"])
+def test_flags_the_launcher_sets_are_refused_after_the_separator(name, flag, path_without_gcloud):
+    script, base = SCRIPTS[name]
+    args = ["--dry-run", *base, "--config", "tiny:delta", "--workdir", "/w", "--", "--config.train.steps=3", flag,
+            "x"]
+    res = run(script, args, env=clean_env(PATH=path_without_gcloud))
+    check_one_line_error(res, f"{flag.split('=')[0]} after -- repeats a flag that {name} sets")
+    res = run(script, [*args[:-2], "--config.workdir_note=x"], env=clean_env(PATH=path_without_gcloud))
+    assert res.returncode == 0, res.stderr  # an override whose name merely starts alike passes
+
+
+def test_slurm_refuses_the_exit_status_it_sets_after_the_separator(path_without_gcloud):
+    """The job script requeues on the trainers' --stopped_exit_code: another one after -- is refused."""
+    script, base = SCRIPTS["slurm.sh"]
+    for flag in ("--stopped_exit_code=0", "--stopped_exit_code", "-stopped_exit_code=3"):
+        res = run(script, ["--dry-run", *base, "--config", "tiny:delta", "--workdir", "/w", "--", flag, "1"],
+                  env=clean_env(PATH=path_without_gcloud))
+        check_one_line_error(res, f"{flag.split('=')[0]} after -- repeats a flag that slurm.sh sets")
+
+
+@pytest.mark.parametrize("flag", ["--shard=1", "--num_shards", "-shard"])
+def test_tpu_prepare_refuses_the_share_flags_it_sets(flag):
+    res = run(TPU, ["--dry-run", "--name", "n", "--zone", "z", "--type", "v5p-16", "--prepare", "--", "--source",
+                    "a.txt", flag, "2"])
+    check_one_line_error(res, f"{flag.split('=')[0]} after -- repeats a flag that tpu.sh sets")
+
+
+def test_tpu_copies_a_config_from_outside_the_checkout(fake_gcloud, tmp_path):
+    """An experiment file the checkout's copy would not hold (outside it, or ignored by git) travels in the
+    tarball as .launch/FILE, and the workers train with that."""
+    (tmp_path / "mine.py").write_text("# my experiment\n")
+    res, calls = fake_gcloud(*TPU_ARGS[:6], "--config", "mine.py:delta", "--workdir", "gs://b/r", state="READY")
+    assert res.returncode == 0, res.stderr
+    assert train_argv(calls[-1][9])[:3] == ["deltares.train", "--config", ".launch/mine.py:delta"]
+    with tarfile.open(fake_gcloud.tarball) as tar:
+        assert tar.extractfile(".launch/mine.py").read() == b"# my experiment\n"
+        assert "experiments/tiny.py" in tar.getnames()
 
 
 # ---------------------------------------------------------------- slurm.sh

@@ -389,13 +389,105 @@ def test_incompatible_dataset_path_refused(finished_copy, builtin_dataset, tmp_p
     assert tree_digest(workdir) == digest
 
 
+# ----------------------------------------------------------------------------- a run's own data
+
+
+def run_config(tokenizer="bytes", **top):
+    cfg = config_with("builtin").to_dict()
+    cfg["data"]["tokenizer"] = tokenizer
+    cfg["model"]["vocab_size"] = 320  # the tiny Qwen3 tokenizer's
+    cfg.update(top)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def own_data(builtin_dataset, small_corpus, tmp_path_factory):
+    """Run directories whose `dataset/` was prepared otherwise than a config asks: {case: (workdir, the
+    config that asks otherwise, what the refusal must name)}; a tokenizer `hf:TOK` (the tiny Qwen3 fixture's)."""
+    from deltares.data.prepare import make_plan
+
+    root = tmp_path_factory.mktemp("own_data")
+    tok = root / "tok"
+    tok.mkdir()
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny", "tokenizer.json"), tok)
+    cases = {}
+
+    def run_dir(name, make):
+        workdir = root / name
+        workdir.mkdir()
+        make(str(workdir / "dataset"))
+        return str(workdir)
+
+    cases["another tokenizer"] = (run_dir("bytes", lambda out: shutil.copytree(builtin_dataset, out)),
+                                  run_config("gpt2"), "tokenizer 'bytes' where config.data.tokenizer asks for 'gpt2'")
+    cases["another source"] = (run_dir("text", lambda out: prepare(str(small_corpus), "bytes", out, progress=False)),
+                               run_config(), "source '")
+    cases["another val_fraction"] = (
+        run_dir("val", lambda out: prepare("builtin", "bytes", out, val_fraction=0.1, progress=False)), run_config(),
+        "val_fraction 0.1 where the built-in corpus of a run has 0.05")
+
+    def planned(out):  # a prepare of the built-in corpus with gpt2, killed before its first unit was done
+        os.makedirs(out)
+        with open(os.path.join(out, "plan.json"), "w") as f:
+            json.dump(make_plan("builtin", "gpt2", 0.05), f)
+
+    cases["a prepare of another tokenizer, unfinished"] = (run_dir("planned", planned), run_config(),
+                                                          "tokenizer 'gpt2' where config.data.tokenizer asks for 'bytes'")
+    hf_run = run_dir("hf", lambda out: prepare("builtin", f"hf:{tok}", out, val_fraction=0.05, progress=False))
+    cases["a tokenizer that changed at its path"] = (hf_run, run_config(f"hf:{tok}"), f"another tokenizer than the "
+                                                     f"one at {tok} now")
+    cases["init_from_hf on data of another tokenizer"] = (
+        str(root / "fresh"), dict(run_config("init_from_hf", init_from_hf=str(tok)), data=dict(
+            run_config()["data"], dataset=str(builtin_dataset), tokenizer="init_from_hf")),
+        "tokenized with bytes, not with the tokenizer of config.init_from_hf")
+    return cases, tok, hf_run
+
+
+OWN_DATA = ["another tokenizer", "another source", "another val_fraction", "a prepare of another tokenizer, unfinished",
+            "a tokenizer that changed at its path", "init_from_hf on data of another tokenizer"]
+
+
+@pytest.mark.parametrize("case", OWN_DATA)
+def test_a_run_directory_holding_data_other_than_the_config_asks_is_refused(own_data, case):
+    """The built-in corpus a run prepares into its `dataset/` is checked against the config before training:
+    another tokenizer (spec, or the same hf: path whose tokenizer.json changed), another source or split,
+    a prepare of other input left unfinished; and data for a model of config.init_from_hf must be of its
+    tokenizer. Each is one line naming what differs, and nothing in the run directory changes. The same
+    config opens its data as it is (the first case with its own tokenizer, the hf: one unchanged)."""
+    from deltares.data.run_data import open_run_dataset
+
+    cases, tok, hf_run = own_data
+    workdir, config, said = cases[case]
+    before = tree_digest(workdir) if os.path.exists(workdir) else None
+    if case == "a tokenizer that changed at its path":
+        assert open_run_dataset(config, hf_run).vocab_size == 320  # unchanged: used
+        text = (tok / "tokenizer.json").read_text()
+        changed = json.loads(text)
+        changed["model"]["merges"].pop()  # the same vocabulary, one merge less
+        (tok / "tokenizer.json").write_text(json.dumps(changed))
+    try:
+        with pytest.raises(DataError) as err:
+            open_run_dataset(config, workdir)
+    finally:
+        if case == "a tokenizer that changed at its path":
+            (tok / "tokenizer.json").write_text(text)
+    assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert (tree_digest(workdir) if os.path.exists(workdir) else None) == before
+    if case == "another tokenizer":
+        assert open_run_dataset(run_config("bytes"), workdir).vocab_size == 257  # its own config: used
+
+
 def test_force_resumes_a_restorable_checkpoint(finished_copy, builtin_dataset, capsys):
+    """Into another mode whose parameters have the same names and shapes (delta_block -> delta): the
+    warning names every field that differs and says what is loaded."""
     workdir, digest = finished_copy
     cfg = config_with(builtin_dataset)
-    cfg.seed, cfg.force = 1, True
+    cfg.seed, cfg.force, cfg.model.residual.mode = 1, True, "delta"
     result = train(cfg, workdir)
     assert result["step"] == STEPS and math.isfinite(result["val_loss"])
-    assert "warning: resuming" in capsys.readouterr().err
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "despite config differences" in line]
+    assert "config.model.residual.mode 'delta_block' -> 'delta'" in line and "config.seed 0 -> 1" in line, line
+    assert "parameters and optimizer state are loaded into this config's model as they are" in line
     assert checkpoint_steps(workdir) == [24, 28, 30]
 
 
@@ -419,13 +511,18 @@ def test_resume_names_every_changed_setting(finished_copy, builtin_dataset, caps
 
 
 def test_force_with_unrestorable_checkpoint_is_a_clean_error(finished_copy, builtin_dataset):
+    """Forced into a mode with fewer parameters (baseline): one line that names the parameter, says the
+    checkpoint is of another config (not damaged: nothing is to be moved aside) and how to start from it."""
     workdir, digest = finished_copy
-    proc = run(train_cmd(workdir, f"--config.data.dataset={builtin_dataset}", "--config.model.d_model=48",
+    proc = run(train_cmd(workdir, f"--config.data.dataset={builtin_dataset}", "--config.model.residual.mode=baseline",
                          "--config.force=True"))
     assert tree_digest(workdir) == digest  # checked first: this part holds today
     assert "Traceback" not in proc.stderr, proc.stderr.strip().splitlines()[-1]
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("warning:")]
     assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), describe(proc)
+    assert "router" in lines[0] and "checkpoint has" in lines[0] and "config has none" in lines[0], lines[0]
+    assert f"new --workdir with --config.init_from={workdir}" in lines[0], lines[0]
+    assert not any(word in lines[0] for word in ("move", "aside", "damaged")), lines[0]
 
 
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, builtin_dataset):
@@ -481,10 +578,11 @@ def test_run_on_a_bucket_resumes_and_matches_local_run(reference, fake_bucket, t
 
     handed = []
 
-    def checkpointer(workdir, *args):
+    def checkpointer(workdir, *args, through=None):
         # orbax writes buckets with tensorstore's own GCS driver, which no fake reaches: the
         # checkpoints of this test go to the bucket's local directory instead.
         handed.append(workdir)
+        assert through == workdir  # a bucket is not held open: written by name
         return Checkpointer(workdir.replace("gs://", fake_bucket.root + "/"), *args)
 
     monkeypatch.setattr(train_module, "Checkpointer", checkpointer)

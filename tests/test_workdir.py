@@ -14,7 +14,6 @@ import time
 import pytest
 
 from deltares.common import lock as lock_module
-from deltares.training import workdir as wd
 from deltares.training.workdir import LOCK, WorkdirError, WorkdirLock, check_workdir
 
 
@@ -24,7 +23,7 @@ def messages():
 
 
 def write_lock(path, **fields):
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": wd._process_start(os.getpid()),
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": lock_module._process_start(os.getpid()),
               "started": "2026-01-01 00:00:00", "heartbeat": time.time(), "token": "x", "command": "test"}
     record.update(fields)
     (path / LOCK).write_text(json.dumps(record))
@@ -76,7 +75,7 @@ def test_lock_from_another_host(tmp_path):
     write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - 5)
     with pytest.raises(WorkdirError, match="elsewhere"):
         WorkdirLock(str(tmp_path)).acquire()
-    write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - wd.STALE_AFTER_S - 5)
+    write_lock(tmp_path, host="elsewhere", heartbeat=time.time() - lock_module.STALE_AFTER_S - 5)
     said, log = messages()
     with WorkdirLock(str(tmp_path), log=log):
         assert "heartbeat stopped" in said[0]
@@ -171,30 +170,75 @@ def test_a_moved_or_deleted_run_directory_is_named_as_such(tmp_path):
     lock.release()
 
 
-def test_a_save_that_raced_a_move_is_removed_from_the_old_path_and_nothing_else_is(tmp_path):
-    """A save begun between the last check and the move writes `checkpoints/...` at the old path; once
-    the move is found, that folder is removed. A folder there with anything else, or with what is older
-    than the last check, is not the run's and stays."""
-    run, moved = tmp_path / "run", tmp_path / "moved"
-    run.mkdir()
-    lock = WorkdirLock(str(run), log=messages()[1])
-    lock.acquire()
-    assert lock.problem() is None and not lock.clear_old_path()  # in place: nothing to clear
-    os.rename(run, moved)
-    assert not lock.clear_old_path()  # nothing at the old path
-    (run / "checkpoints" / "8.orbax-checkpoint-tmp-1" / "state").mkdir(parents=True)
-    (run / "checkpoints" / "8.orbax-checkpoint-tmp-1" / "state" / "manifest").write_text("x")
-    assert lock.clear_old_path() and not run.exists() and (moved / LOCK).exists()
+def tree(root):
+    """{relative path: file bytes, or None for a folder} of everything under `root`."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(folder, name), root)] = None
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                out[os.path.relpath(os.path.join(folder, name), root)] = f.read()
+    return out
 
-    (run / "checkpoints" / "8").mkdir(parents=True)
-    (run / "notes.txt").write_text("the user's")
-    assert not lock.clear_old_path() and (run / "notes.txt").exists()
-    (run / "notes.txt").unlink()
-    old = time.time() - 3600
-    os.utime(run / "checkpoints" / "8", (old, old))  # ctime stays new: a moved-in folder is judged by ctime
-    lock._in_place_at = time.time() + 5  # as if the folder were older than the last check
-    assert not lock.clear_old_path() and (run / "checkpoints" / "8").exists()
+
+def other_run(path):
+    """A folder that holds another run, put where the run directory was."""
+    (path / "checkpoints" / "4").mkdir(parents=True)
+    (path / "checkpoints" / "4" / "state").write_text("another run's")
+    (path / "metrics.jsonl").write_text('{"step": 4}\n')
+    return tree(path)
+
+
+@pytest.mark.parametrize("how", ["moved", "deleted", "link repointed"])
+def test_a_run_directory_is_written_through_the_directory_held_open(tmp_path, how):
+    """Everything the run writes goes through `through` and the lock through the directory held open, so
+    a folder put at its path afterwards (another run) gets nothing: no lock, no files, no folders. Moved,
+    the writes follow the directory; deleted, they fail; a link on the path repointed, they stay where
+    the run is. `problem` names each."""
+    said, log = messages()
+    (tmp_path / "A").mkdir()
+    os.symlink(tmp_path / "A", tmp_path / "link")
+    workdir = tmp_path / "link" / "run"
+    workdir.mkdir()
+    lock = WorkdirLock(str(workdir), log=log)
+    lock.acquire()
+    through = lock.through
+    assert through != str(workdir) and os.path.samefile(through, workdir)  # Linux: /proc/self/fd/N
+    if how == "moved":
+        os.rename(workdir, tmp_path / "moved")
+        where = tmp_path / "moved"
+        want = (f"the run directory {workdir} was moved to {where} during the run; stopped without saving there: "
+                f"rerun with --workdir {where} to resume it")
+        os.mkdir(workdir)
+    elif how == "deleted":
+        os.remove(workdir / LOCK)
+        workdir.rmdir()
+        where, want = None, f"the run directory {workdir} was deleted during the run; stopped (nothing more can be saved)"
+        os.mkdir(workdir)
+    else:
+        (tmp_path / "B" / "run").mkdir(parents=True)
+        os.symlink(tmp_path / "B", tmp_path / "link.new")
+        os.replace(tmp_path / "link.new", tmp_path / "link")
+        where = tmp_path / "A" / "run"
+        want = (f"{workdir} no longer leads to the run directory (a link on the path changed during the run; the run "
+                f"is in {where}); stopped without saving there: rerun with --workdir {where} to resume it")
+    before = other_run(workdir)
+    assert lock.problem() == want
+    lock.record["heartbeat"] += 1
+    if where is None:
+        with pytest.raises(FileNotFoundError):
+            lock._write(lock.record)
+        with pytest.raises(FileNotFoundError):
+            os.makedirs(os.path.join(through, "checkpoints", "8.orbax-checkpoint-tmp-1"))
+    else:
+        lock._write(lock.record)  # the heartbeat
+        os.makedirs(os.path.join(through, "checkpoints", "8.orbax-checkpoint-tmp-1"))
+        assert json.loads((where / LOCK).read_text()) == lock.record
+        assert (where / "checkpoints" / "8.orbax-checkpoint-tmp-1").is_dir()
     lock.release()
+    assert tree(workdir) == before  # byte for byte, and no folder added
+    assert said == [] and (where is None or not (where / LOCK).exists())  # released where the run is
 
 
 @pytest.mark.parametrize("files, what", [

@@ -60,13 +60,6 @@ def _alive(holder: dict) -> bool:
     return started is None or _process_start(pid) in (None, started)
 
 
-def _mtime(path: epath.Path) -> float:
-    try:
-        return float(path.stat().mtime)
-    except OSError:
-        return time.time()
-
-
 def describe(holder: dict, starting: str) -> str:
     """`process N on HOST, started ...` of a lock's record ({}: unreadable, a writer that is `starting`)."""
     if not holder:
@@ -117,10 +110,17 @@ class FileLock:
             f.write(data)
         return True
 
+    def _mtime(self) -> float:
+        """When the lock file was last written (now, where that cannot be read)."""
+        try:
+            return float(self.path.stat().mtime)
+        except OSError:
+            return time.time()
+
     def stale(self, holder: dict) -> str | None:
         """Why the lock `holder` was left by a process that is gone, or None while it may still run."""
         if not holder:
-            age = time.time() - _mtime(self.path)
+            age = time.time() - self._mtime()
             return f"an unreadable lock {age:.0f} s old" if age > STALE_AFTER_S else None
         who = f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
         if holder.get("host") == socket.gethostname():

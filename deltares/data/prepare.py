@@ -70,7 +70,7 @@ from deltares.common import interrupts
 from deltares.common.domains import Domain
 from deltares.common.inputs import bucket_filesystem
 from deltares.common.lock import FileLock, LockError, describe, read_record
-from deltares.common.outputs import DATASET, OutputError, check_output
+from deltares.common.outputs import DATASET, OutputError, check_output, is_remote, within
 from deltares.data import paths
 from deltares.data import documents
 from deltares.data.documents import (
@@ -514,7 +514,8 @@ def prepare(
 ) -> dict | None:
     """Tokenizes `source` into `out_dir` (see the module docstring); returns the metadata, or None when
     other shards' units are still to do (another host writes meta.json). `run`: the run directory that
-    `out_dir` belongs to (the trainer preparing its built-in corpus into `<run>/dataset`)."""
+    `out_dir` belongs to (the trainer preparing its built-in corpus into `<run>/dataset`), written through
+    that path (the run directory held open: deltares.training.workdir.WorkdirLock.through)."""
     problem = VAL_FRACTION.problem(val_fraction)
     if problem:
         raise DataError(f"val_fraction={val_fraction} {problem}")
@@ -531,10 +532,13 @@ def prepare(
     if plan["units"] == []:
         raise DataError(f"source {source!r} holds no documents")
     try:
-        out = epath.Path(check_output(out_dir, writes="folder", inputs=source_inputs(source, plan),
-                                      replaces=(DATASET,), owner=run))
+        real = check_output(out_dir, writes="folder", inputs=source_inputs(source, plan), replaces=(DATASET,),
+                            owner=run)
     except OutputError as err:
         raise DataError(str(err)) from None
+    if run is not None and not is_remote(run) and within(real, os.path.realpath(run)):
+        real = os.path.join(run, os.path.relpath(real, os.path.realpath(run)))  # through the path the run gave
+    out = epath.Path(real)
     lock = _lock(os.fspath(out), plan, shard)
     try:
         work = _workspace(out, plan, overwrite)

@@ -30,6 +30,7 @@ from kernels_pallas.depth_route.api import target_platform
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 128  # cuDNN's flash attention: head width a multiple of 8, at most 128 (256 from Hopper on)
+CUDNN_HOPPER_HEAD_DIM = 256
 XLA_BLOCK = 512  # queries per block of the "xla" attention
 SPLASH_BLOCK = 512  # tokens per splash block (queries and keys); smaller sequences use one block
 SPLASH_MIN_BLOCK = 128  # a splash block is a multiple of the TPU's 128 lanes
@@ -52,8 +53,11 @@ def causal_attention(q_BTHE, k_BTKE, v_BTKE, segments_BT=None, *, impl: str = "x
         raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got {impl!r}")
     try:
         return _cudnn(q_BTHE, k_BTKE, v_BTKE, segments_BT)
-    except RuntimeError as e:  # jax: "cuDNN is not detected." where no GPU with cuDNN is at hand
-        raise ValueError(f"config.model.attention 'cudnn' needs an NVIDIA GPU with cuDNN ({e}); use 'xla'") from None
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # jax's: no cuDNN, a dtype or shape it refuses
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"config.model.attention 'cudnn' cannot run here ({reason}): it needs an NVIDIA GPU with "
+                         "cuDNN, bfloat16 or float16 and a head width cuDNN takes; use 'auto' (cudnn only where it "
+                         "runs) or 'xla'") from None
 
 
 def auto_is_cudnn(platform: str, dtype, head_dim: int) -> bool:
@@ -106,16 +110,24 @@ def _query_blocks(q_BTHE, k_BTKE, v_BTKE, segments_BT, block: int = XLA_BLOCK):
     return jnp.concatenate(outs, axis=1).reshape(B, T, H, E)
 
 
-def check_attention(impl: str, platform: str, seq_len: int, interpret: bool = False) -> None:
+def check_attention(impl: str, platform: str, seq_len: int, interpret: bool = False, dtype=None,
+                    head_dim: int | None = None) -> None:
     """ValueError when attention `impl` cannot run on devices of `platform` ("cpu", "gpu"/"cuda", "tpu")
-    or over `seq_len` tokens."""
+    or over `seq_len` tokens (and, for "cudnn", at the compute `dtype` and `head_dim` where given)."""
     if impl == "cudnn" and platform not in ("gpu", "cuda"):
         raise ValueError(f"config.model.attention 'cudnn' runs on NVIDIA GPUs, these devices are {platform}; use 'xla'")
+    if impl == "cudnn" and dtype is not None and not any(jnp.dtype(dtype) == d for d in CUDNN_DTYPES):
+        raise ValueError(f"config.model.attention 'cudnn' computes in bfloat16 or float16 (cuDNN's flash attention), "
+                         f"config.model.dtype is {jnp.dtype(dtype).name}; use 'auto' (cudnn only where it runs) or 'xla'")
+    if impl == "cudnn" and head_dim is not None and (head_dim % 8 or head_dim > CUDNN_HOPPER_HEAD_DIM):
+        raise ValueError(f"config.model.attention 'cudnn' takes a head width that is a multiple of 8, at most "
+                         f"{CUDNN_HOPPER_HEAD_DIM} ({CUDNN_MAX_HEAD_DIM} before Hopper), config.model.head_dim is "
+                         f"{head_dim}; use 'auto' or 'xla'")
     if impl == "splash":
-        splash_block(seq_len)
         if platform != "tpu" and not interpret:
             raise ValueError(f"config.model.attention 'splash' runs on TPUs, these devices are {platform}; use 'xla' "
                              "(or config.model.residual.interpret=True: the Pallas interpreter, slow)")
+        splash_block(seq_len)
 
 
 def splash_block(T: int) -> int:

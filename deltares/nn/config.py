@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from deltares.common.domains import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Domain
-from deltares.nn.attention import ATTENTION_IMPLS
+from deltares.nn.attention import ATTENTION_IMPLS, check_attention
 from kernels_pallas.depth_route.api import IMPLEMENTATIONS as ROUTING_IMPLS  # config.model.residual.impl
+from kernels_pallas.depth_route.api import wrong_platform
 
 if TYPE_CHECKING:
     import ml_collections
@@ -241,6 +242,17 @@ def validate_model_config(cfg) -> None:
               "use 'xla'")
     if res.block_layers > cfg.n_layers:
         _fail(prefix, "residual.block_layers", res.block_layers, f"must be an integer in [1, n_layers={cfg.n_layers}]")
+
+
+def check_platform(cfg, platform: str, seq_len: int) -> None:
+    """Raise `ValueError` in one line when a kernel `cfg` (a valid `config.model`) asks for by name cannot
+    compile for devices of `platform` ("tpu", "gpu"/"cuda", "cpu") over `seq_len` tokens: the attention
+    (deltares.nn.attention.check_attention) or the depth routing's Pallas kernel (`residual.impl`)."""
+    res = cfg.residual
+    check_attention(cfg.attention, platform, seq_len, res.interpret, dtype_of(cfg.dtype), cfg.head_dim)
+    if (why := wrong_platform(res.impl, platform, res.interpret)) is not None:
+        _fail("config.model.", "residual.impl", res.impl, f"cannot run here ({why}); use 'auto' (the fastest the "
+              "devices run), 'pallas' (the kernel of their platform) or 'xla'")
 
 
 def dtype_of(name: str):

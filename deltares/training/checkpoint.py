@@ -146,24 +146,25 @@ def read_json_item(step_dir, item: str):
 
 
 def usable_step(directory: str, need: str, log: Callable[[str], None] = _warn,
-                set_aside: Callable[[int, str], str] | None = None) -> int | None:
-    """The newest step under `directory` that passes `step_problem` (None when there are no steps).
-    Each newer step that does not is reported in one line through `log` and, with `set_aside`,
-    moved out of the way. Raises CheckpointError when every step is damaged; nothing is moved then."""
+                set_aside: Callable[[int, str], str] | None = None, name: str | None = None) -> int | None:
+    """The newest step under `directory` (called `name` in messages, if given) that passes `step_problem`
+    (None when there are no steps). Each newer step that does not is reported in one line through `log`
+    and, with `set_aside`, moved out of the way. Raises CheckpointError when every step is damaged;
+    nothing is moved then."""
     steps = sorted(ocp.utils.checkpoint_steps(directory), reverse=True) if epath.Path(directory).is_dir() else []
-    skipped = []
+    skipped, name = [], name or directory
     for step in steps:
         problem = step_problem(paths.join(directory, str(step)), need)
         if problem is None:
             for bad, why in skipped:
                 moved = f"; moved it to {set_aside(bad, why)}" if set_aside is not None else ""
-                log(f"warning: skipped checkpoint step {bad} of {directory}: {why}{moved}")
+                log(f"warning: skipped checkpoint step {bad} of {name}: {why}{moved}")
             return step
         skipped.append((step, problem))
     if skipped:
         listed = "; ".join(f"step {s}: {why}" for s, why in skipped[:3])
         raise CheckpointError(
-            f"no usable checkpoint in {directory} ({listed}); nothing was moved or deleted: repair the "
+            f"no usable checkpoint in {name} ({listed}); nothing was moved or deleted: repair the "
             f"step{'s' if len(skipped) > 1 else ''} or move {'them' if len(skipped) > 1 else 'it'} away to start "
             "from scratch"
         )
@@ -171,46 +172,50 @@ def usable_step(directory: str, need: str, log: Callable[[str], None] = _warn,
 
 
 class Checkpointer:
-    """Saves the steps of one run directory and finds the step to resume from (see the module docstring)."""
+    """Saves the steps of one run directory and finds the step to resume from (see the module docstring).
+    Its files are read and written through `through` (the run directory held open, see
+    deltares.training.workdir.WorkdirLock.through; default the workdir); messages name the workdir."""
 
-    def __init__(self, workdir: str, keep_last: int = 3, keep_every: int = 0, async_save: bool = True):
+    def __init__(self, workdir: str, keep_last: int = 3, keep_every: int = 0, async_save: bool = True,
+                 through: str | None = None):
         self.workdir = paths.run_dir(workdir)
-        self.directory = paths.join(self.workdir, "checkpoints")
+        self.directory = paths.join(self.workdir, "checkpoints")  # in messages
+        self._files = paths.join(through or self.workdir, "checkpoints")  # what is read and written
         self.keep_last, self.keep_every = keep_last, keep_every
         self._errors, self._stderr = _OrbaxErrors(), None
         options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self.manager = ocp.CheckpointManager(self._files, options=options, item_names=ITEMS)
         self.pending = None  # the step being written in the background
         self.durable = None  # the newest step known to be written whole
         self.failed = False  # a save failed
 
     def step_dir(self, step: int) -> str:
-        return paths.join(self.directory, str(step))
+        """The folder of step `step`, to read or write (through `through`)."""
+        return paths.join(self._files, str(step))
 
     def steps(self) -> list[int]:
         """The finalized steps on storage, oldest first."""
-        return sorted(ocp.utils.checkpoint_steps(self.directory)) if epath.Path(self.directory).is_dir() else []
+        return sorted(ocp.utils.checkpoint_steps(self._files)) if epath.Path(self._files).is_dir() else []
 
     def set_aside(self, step: int, reason: str) -> str:
         """Moves step `step` to `<workdir>/checkpoints_aside/<step>[-n]` with a REASON file (on process 0);
         returns where it went."""
-        target = epath.Path(self.workdir) / ASIDE / str(step)
-        n = 1
-        while target.exists():
-            target = target.with_name(f"{step}-{n}")
-            n += 1
+        aside = epath.Path(self._files).parent / ASIDE
+        name, n = str(step), 1
+        while (aside / name).exists():
+            name, n = f"{step}-{n}", n + 1
         if jax.process_index() == 0:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            epath.Path(self.step_dir(step)).rename(target)
-            (target / "REASON").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}\n")
+            aside.mkdir(parents=True, exist_ok=True)
+            epath.Path(self.step_dir(step)).rename(aside / name)
+            (aside / name / "REASON").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}\n")
         self.manager.reload()
-        return os.fspath(target)
+        return paths.join(self.workdir, ASIDE, name)
 
     def resume_step(self, want: int | None = None, log: Callable[[str], None] = _warn) -> int | None:
         """The step to resume from: `want` (config.train.resume_step; newer steps are moved aside, so that
         this run's saves follow it), else the newest usable step, damaged newer ones moved aside."""
         if want is None:
-            step = usable_step(self.directory, "all", log, self.set_aside)
+            step = usable_step(self._files, "all", log, self.set_aside, name=self.directory)
         else:
             steps = self.steps()
             if want not in steps:
@@ -269,11 +274,17 @@ class Checkpointer:
             error = "the step was not finalized" if step not in self.steps() else step_problem(self.step_dir(step))
         if error is not None:
             self.failed = True
-            previous = (f"the previous checkpoint, step {self.durable}, is intact" if self.durable is not None
-                        else "no checkpoint was saved before it")
-            raise CheckpointError(f"saving step {step} failed ({_cause(error)}); {previous} in {self.directory}")
+            raise CheckpointError(f"saving step {step} failed ({_cause(error)}); {self.previous()} in {self.directory}")
         self.durable = step
         self._retain()
+
+    def previous(self) -> str:
+        """What a failed save leaves, in words: the newest durable step (checked to be still there)."""
+        if self.durable is None:
+            return "no checkpoint was saved before it"
+        if not epath.Path(self.step_dir(self.durable)).is_dir():
+            return f"the previous checkpoint, step {self.durable}, is gone too (its folder was removed)"
+        return f"the previous checkpoint, step {self.durable}, is intact"
 
     def _retain(self) -> None:
         steps = self.steps()
@@ -285,13 +296,18 @@ class Checkpointer:
         self.manager.reload()
 
     def check_params(self, step: int, abstract_params) -> None:
-        """Raises ValueError naming the first parameter whose stored shape differs (or is missing)."""
-        stored = stored_params(paths.join(self.directory, str(step), "state"))
+        """Raises ValueError naming the first parameter whose stored shape differs, or that only one of the
+        checkpoint and the config has."""
+        stored = stored_params(paths.join(self.step_dir(step), "state"))
         stored = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
+        needed = set()
         for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
             name = jax.tree_util.keystr(key)
+            needed.add(name)
             if stored.get(name) != tuple(leaf.shape):
                 raise ValueError(f"parameter {name}: checkpoint has {stored.get(name, 'none')}, config needs {leaf.shape}")
+        if extra := sorted(set(stored) - needed):
+            raise ValueError(f"parameter {extra[0]}: checkpoint has {stored[extra[0]]}, config has none")
 
     def restore(self, step: int, abstract_state):
         """(state, data_state) of `step`, with `abstract_state`'s structure, shapes and shardings."""

@@ -211,9 +211,16 @@ def _gemm_custom_call_flops(ins: Instruction, table: dict[str, Instruction]) -> 
     return 2.0 * math.prod(dims_of(out)) * contracted
 
 
+def fused_attention_flops(batch_heads: int, T: int, S: int, D: int, *, backward: bool, causal: bool) -> float:
+    """FLOPs of one fused (flash) attention call of `batch_heads` query heads over T queries and S keys of
+    width D: 4 B H T S D forward (two products, Q K^T and P V), 2.5 times that backward (five: the scores
+    again, dV, dP, dQ, dK), halved under a causal mask (the kernel skips the masked blocks)."""
+    flops = 4.0 * batch_heads * T * S * D * (2.5 if backward else 1.0)
+    return flops / 2 if causal else flops
+
+
 def _attention_flops(ins: Instruction, table: dict[str, Instruction]) -> float:
-    """FLOPs of a cuDNN fused attention call: 4 B H T S D forward (two products), 2.5 times that backward
-    (five products), halved under a causal mask."""
+    """FLOPs of a cuDNN fused attention call (`fused_attention_flops`), its shapes read from the HLO."""
     q = table.get(ins.operands[0]) if ins.operands else None
     k = table.get(ins.operands[1]) if len(ins.operands) > 1 else None
     if q is None or k is None:
@@ -232,12 +239,8 @@ def _attention_flops(ins: Instruction, table: dict[str, Instruction]) -> float:
     B_H = math.prod(qd[d] for d in batch)
     T, D = math.prod(qd[d] for d in free_q), math.prod(qd[d] for d in contract)
     S = math.prod(kd[d] for d in free_k)
-    flops = 4.0 * B_H * T * S * D
-    if "Backward" in ins.attrs.split('custom_call_target="')[-1].split('"')[0]:
-        flops *= 2.5
-    if config.get("mask_type", "") in ("CAUSAL", "PADDING_CAUSAL"):
-        flops /= 2
-    return flops
+    return fused_attention_flops(B_H, T, S, D, backward="Backward" in ins.attrs.split('custom_call_target="')[-1].split('"')[0],
+                                 causal=config.get("mask_type", "") in ("CAUSAL", "PADDING_CAUSAL"))
 
 
 # --------------------------------------------------------------------------- bytes

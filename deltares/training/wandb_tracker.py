@@ -41,12 +41,12 @@ def flatten(record: dict) -> dict:
 class WandbTracker:
     """`log(step, record)` and `close()` for `MetricsWriter`, on a W&B run."""
 
-    def __init__(self, settings, workdir: str, config: dict):
+    def __init__(self, settings, workdir: str, config: dict, through: str | None = None):
         try:
             import wandb
         except ImportError:
             raise TrackerError(f"config.train.wandb.project is set but wandb is not installed: {INSTALL}") from None
-        id_path = epath.Path(workdir) / RUN_ID_FILE
+        id_path = epath.Path(through or workdir) / RUN_ID_FILE  # through the run directory held open
         resumed = id_path.exists()
         run_id = id_path.read_text().strip() if resumed else uuid.uuid4().hex[:12]
         if not resumed:
@@ -73,8 +73,10 @@ class WandbTracker:
         self.run.finish()
 
 
-def open_tracker(settings, workdir: str, config: dict) -> WandbTracker | None:
-    """The W&B tracker of `config.train.wandb` on process 0, or None (off, or another process)."""
+def open_tracker(settings, workdir: str, config: dict, through: str | None = None) -> WandbTracker | None:
+    """The W&B tracker of `config.train.wandb` on process 0, or None (off, or another process). The run id
+    file is written through `through` (see deltares.training.workdir.WorkdirLock.through); W&B's own
+    process writes `<workdir>/wandb` by its name."""
     if not settings.project or jax.process_index() != 0:
         return None
-    return WandbTracker(settings, workdir, config)
+    return WandbTracker(settings, workdir, config, through)

@@ -7,23 +7,25 @@ where the directory or one of its folders must be, a folder where a file must be
 cannot be written (read-only, no permission).
 
 `WorkdirLock` is the file `<workdir>/LOCK`: the lock of deltares.common.lock (one holder, named; a
-heartbeat; stale locks taken over with a warning) that also holds the run directory open, so that a
-directory moved or deleted during the run is noticed (`problem`). A multi-host run takes it once, on
-process 0. A second trainer refuses with one line naming the holder.
+heartbeat; stale locks taken over with a warning). A multi-host run takes it once, on process 0. A second
+trainer refuses with one line naming the holder.
+
+A local run directory is held open while the lock is held, and the run writes everything through it
+(`WorkdirLock.through`), so nothing reaches the old path once the directory is moved, deleted, replaced
+or a link on its path changes; `WorkdirLock.problem` says which happened.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 import uuid
 
 from etils import epath
 
-from deltares.common.lock import STALE_AFTER_S, FileLock, LockError, _process_start  # noqa: F401 - tests read them here
+from deltares.common.lock import FileLock, LockError, describe
 from deltares.common.outputs import RUN_LAYOUT as LAYOUT, RUN_LOCK as LOCK, OutputError, check_place
 from deltares.data import paths
 
@@ -91,23 +93,54 @@ def _probe_write(folder: epath.Path, workdir: str) -> None:
                 pass
 
 
+PROC_FD = "/proc/self/fd"  # Linux: `PROC_FD/N` is the open directory N wherever it is now
+
+
+def _where(fd: int) -> str | None:
+    """Where the open directory `fd` is now ("" where this system cannot tell), or None once deleted."""
+    try:
+        now = os.readlink(f"{PROC_FD}/{fd}")
+    except OSError:
+        return None if os.fstat(fd).st_nlink == 0 else ""
+    return None if now.endswith(" (deleted)") or os.fstat(fd).st_nlink == 0 else now
+
+
 class WorkdirLock(FileLock):
-    """The lock of one run directory (see the module docstring); `acquire` then `release`, or `with`."""
+    """The lock of one run directory (see the module docstring); `acquire` then `release`, or `with`.
+
+    A local run directory is held open from `acquire` (or `hold`) to `release`: the lock file is read and
+    written through it, and so is everything the run writes (`through`), so nothing reaches the path
+    once it leads elsewhere; `problem` says when it does (the directory moved, deleted, or a link on
+    its path changed). A bucket cannot be held open: there the run writes by name."""
 
     error = WorkdirError
 
     def __init__(self, workdir: str, log=lambda message: print(message, file=sys.stderr)):
         super().__init__(epath.Path(workdir) / LOCK, workdir, holder="trainer", flag="--workdir", log=log)
         self.workdir = workdir
-        self._dir_fd = None  # the run directory held open (local only): where it went if it is moved or deleted
-        self._in_place_at = time.time()  # when the run directory was last found where the run began
+        self._dir_fd = None  # the run directory held open (local only)
+        self._began_at = None  # where it was then (its path, links resolved)
 
-    def _read(self, dir_fd: int | None = None) -> dict | None:
-        """The lock's record (None: no lock file; {}: unreadable), from `dir_fd`'s directory if given."""
-        if dir_fd is None:
+    def hold(self) -> None:
+        """Holds the local run directory open (it must exist), once; nothing for a bucket."""
+        if self._dir_fd is None and not paths.is_remote(self.workdir):
+            self._dir_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY)
+            self._began_at = _where(self._dir_fd) or os.path.realpath(self.workdir)
+
+    @property
+    def through(self) -> str:
+        """The path the run writes its files through: on Linux `/proc/self/fd/N`, the run directory held
+        open, which leads to it wherever it is moved (and nowhere once it is deleted); else the workdir."""
+        if self._dir_fd is not None and os.path.isdir(PROC_FD):
+            return f"{PROC_FD}/{self._dir_fd}"
+        return self.workdir
+
+    def _read(self) -> dict | None:
+        """The lock's record (None: no lock file; {}: unreadable), through the directory held open if it is."""
+        if self._dir_fd is None:
             return super()._read()
         try:
-            with os.fdopen(os.open(LOCK, os.O_RDONLY, dir_fd=dir_fd)) as f:
+            with os.fdopen(os.open(LOCK, os.O_RDONLY, dir_fd=self._dir_fd)) as f:
                 holder = json.loads(f.read())
         except FileNotFoundError:
             return None
@@ -115,19 +148,51 @@ class WorkdirLock(FileLock):
             return {}  # being written, or cut short by a crash
         return holder if isinstance(holder, dict) else {}
 
-    def _start_heartbeat(self) -> None:
-        if not paths.is_remote(self.workdir) and self._dir_fd is None:
-            self._dir_fd = os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY)
-        super()._start_heartbeat()
+    def _create(self) -> bool:
+        """Writes our record into a new lock file (through the directory held open); False when one exists."""
+        if self._dir_fd is None:
+            return super()._create()
+        try:
+            fd = os.open(LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self._dir_fd)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(self.record).encode())
+        return True
+
+    def _write(self, record: dict) -> None:
+        if self._dir_fd is None:
+            return super()._write(record)
+        tmp, at = f"{LOCK}.{os.getpid()}.tmp", self._dir_fd
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=at), "w") as f:
+            f.write(json.dumps(record))
+        os.replace(tmp, LOCK, src_dir_fd=at, dst_dir_fd=at)
+
+    def _mtime(self) -> float:
+        if self._dir_fd is None:
+            return super()._mtime()
+        try:
+            return os.stat(LOCK, dir_fd=self._dir_fd).st_mtime
+        except OSError:
+            return time.time()
+
+    def acquire(self) -> None:
+        """Takes the lock, or raises WorkdirError naming the trainer that holds it."""
+        self.hold()
+        try:
+            super().acquire()
+        except BaseException:
+            self._let_go()
+            raise
 
     def problem(self) -> str | None:
         """Why the run must stop storing its work in this directory, or None while the lock is ours: the
-        run directory was deleted or moved, or another trainer took the lock over. A lock file that was
-        removed (and not taken by another trainer) is made again, with a warning."""
+        path no longer leads to the run directory (`_elsewhere`), or another trainer took the lock over.
+        A lock file that was removed (and not taken by another trainer) is made again, with a warning."""
         if self.record is None:
             return None
-        if (gone := self._directory_gone()) is not None:
-            return gone
+        if (elsewhere := self._elsewhere()) is not None:
+            return elsewhere
         holder = self._read()
         if holder is None:
             if self._create():
@@ -136,63 +201,50 @@ class WorkdirLock(FileLock):
             holder = self._read()
         if holder == self.record:
             return None
-        who = (f"process {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
-               else "a trainer that is starting")
-        return f"the lock of {self.workdir} was taken over by another trainer ({who}); stopped without saving"
+        return (f"the lock of {self.workdir} was taken over by another trainer "
+                f"({describe(holder, 'a trainer that is starting')}); stopped without saving")
 
-    def _directory_gone(self) -> str | None:
-        """`the run directory ... was deleted / moved to ...`, or None while it is where the run began."""
+    def _elsewhere(self) -> str | None:
+        """Why the workdir's path no longer leads to the run directory held open (it was deleted, moved,
+        or a link on its path now points elsewhere), or None while it does."""
         if self._dir_fd is None:
             return None
         try:
-            same = os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd))
+            if os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd)):
+                return None
         except OSError:
-            same = False
-        if same:
-            self._in_place_at = time.time()
-            return None
-        try:
-            now = os.readlink(f"/proc/self/fd/{self._dir_fd}")
-        except OSError:
-            now = " (deleted)"
-        if now.endswith(" (deleted)") or os.fstat(self._dir_fd).st_nlink == 0:
+            pass
+        now = _where(self._dir_fd)
+        if now is None:
             return f"the run directory {self.workdir} was deleted during the run; stopped (nothing more can be saved)"
+        if not now:
+            return (f"the run directory {self.workdir} was moved or replaced during the run; stopped without saving "
+                    "there: rerun with --workdir naming where it is now to resume it")
+        if now == self._began_at:
+            return (f"{self.workdir} no longer leads to the run directory (a link on the path changed during the run; "
+                    f"the run is in {now}); stopped without saving there: rerun with --workdir {now} to resume it")
         return (f"the run directory {self.workdir} was moved to {now} during the run; stopped without saving there: "
                 f"rerun with --workdir {now} to resume it")
 
-    def clear_old_path(self) -> bool:
-        """After the run directory was moved: removes the folder that a save begun as it moved made again
-        at the old path, so that nothing of the run stays there. Only a folder that holds nothing but
-        `checkpoints/`, all made since the directory was last found in place, is ours; anything else stays."""
-        if self._dir_fd is None or self._directory_gone() is None or not os.path.isdir(self.workdir):
-            return False
-        try:
-            if os.path.samestat(os.stat(self.workdir), os.fstat(self._dir_fd)) or os.listdir(self.workdir) != [
-                    "checkpoints"]:
-                return False
-            since = self._in_place_at - 1.0  # file times come from a coarser clock than time.time()
-            for folder, dirs, files in os.walk(self.workdir):
-                if any(os.lstat(os.path.join(folder, name)).st_ctime < since for name in [".", *dirs, *files]):
-                    return False
-            shutil.rmtree(self.workdir)
-        except OSError:
-            return False
-        return True
-
     def release(self) -> None:
-        if self.record is None:
-            return
-        self._stop_heartbeat()
+        """Stops the heartbeat, removes the lock file where the directory is now (if it is still ours) and
+        lets go of the directory."""
         try:
-            if self._dir_fd is not None:  # the directory where it is now, if it was moved
-                if self._read(self._dir_fd) == self.record:
-                    os.unlink(LOCK, dir_fd=self._dir_fd)
-            elif self._read() == self.record:
-                self.path.unlink()
-        except OSError:
-            pass  # a lock we cannot remove is taken over by the next run on this host
+            if self.record is not None:
+                self._stop_heartbeat()
+                try:
+                    if self._read() == self.record:
+                        if self._dir_fd is not None:
+                            os.unlink(LOCK, dir_fd=self._dir_fd)
+                        else:
+                            self.path.unlink()
+                except OSError:
+                    pass  # a lock we cannot remove is taken over by the next run on this host
         finally:
-            if self._dir_fd is not None:
-                os.close(self._dir_fd)
-                self._dir_fd = None
-        self.record = None
+            self.record = None
+            self._let_go()
+
+    def _let_go(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None

@@ -87,6 +87,16 @@ def target_platform() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+def wrong_platform(implementation: str, platform: str, interpret=False) -> str | None:
+    """Why the kernel `implementation` cannot compile for devices of `platform` ("tpu", "gpu"/"cuda", "cpu"),
+    or None: "pallas_tpu" and "pallas_gpu" each compile for their platform only (but with `interpret`)."""
+    want = _PLATFORM_OF.get(implementation)
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if want is None or interpret or platform == want:
+        return None
+    return f"it compiles for {want} only (or runs with interpret=True), the target is {platform}"
+
+
 def implementation_for(implementation: str, phase_one: bool = False) -> str:
     """The implementation "auto" stands for on the target platform, measured on one H200
     (docs/explanations/performance.md): on a GPU the Triton kernel for a sublayer's routing
@@ -118,10 +128,8 @@ def _resolve(implementation, interpret, N, D, dtype, K=None, S=1, bias=True) -> 
         impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
     if impl == "xla":
         return impl
-    want = _PLATFORM_OF[impl]
-    if not interpret and platform != want:
-        reason = f"it compiles for {want} only (or runs with interpret=True), the target is {platform}"
-    else:
+    reason = wrong_platform(impl, platform, interpret)
+    if reason is None:
         backend = _backend(impl)
         if K is not None:
             reason = backend.prefix_unsupported(N, D, dtype, K)

@@ -19,13 +19,15 @@ if ROOT not in sys.path:
 
 TINY_HF = os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny")  # a tiny Qwen3 written by transformers
 
-# Test files by how long they take on 2 cores, longest first (measured with an empty compile cache,
-# 2026-12-04: 510 s for the first, 70 s for the last); the rest follow in name order. With `-n 2` each
-# file runs whole on one worker (`pytest_xdist_make_scheduler`), in this order: a file's module fixtures
-# (a subprocess of minutes in several) run once, and no long file starts last.
-LONGEST_FIRST = ("test_documented_commands.py", "test_sharding.py", "test_model.py", "test_depth_route_kernel.py",
-                 "test_generate.py", "test_train.py", "test_depth.py", "test_two_phase.py", "test_slurm.py",
-                 "test_own_model.py", "test_hf.py", "test_aot.py", "test_faults.py", "test_multihost.py", "test_aot_gpu.py", "test_harness.py")
+# Test files by how long they take on 2 cores, longest first (their tests' seconds summed, both workers
+# busy, 2026-12-06: 1355 s for the first, about 80 s for the last); the rest follow in name order. With
+# `-n 2` each file runs whole on one worker (`pytest_xdist_make_scheduler`), in this order: a file's module
+# fixtures (a subprocess of minutes in several) run once, and no long file starts last.
+LONGEST_FIRST = ("test_documented_commands.py", "test_aot.py", "test_train.py", "test_faults.py", "test_generate.py",
+                 "test_configs.py", "test_two_phase.py", "test_aot_gpu.py", "test_model.py", "test_sharding.py",
+                 "test_depth.py", "test_slurm.py", "test_hf.py", "test_depth_route_kernel.py", "test_multihost.py",
+                 "test_harness.py", "test_own_model.py", "test_step_time.py", "test_analysis_tools.py",
+                 "test_layer_patterns.py")
 
 
 def pytest_collection_modifyitems(config, items):

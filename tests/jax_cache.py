@@ -15,6 +15,10 @@ CACHE = os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempd
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+# A size bound turns on the cache's file lock around every read and write: without it a process can read an
+# entry another is still writing (JAX writes in place) and crash deserializing it.
+CACHE_MAX_SIZE = 64 * 2**30
+jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_SIZE)
 
 ENV = dict(
     os.environ,
@@ -23,6 +27,7 @@ ENV = dict(
     JAX_COMPILATION_CACHE_DIR=CACHE,
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+    JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_MAX_SIZE),
 )
 
 

@@ -32,7 +32,7 @@ from packaging.requirements import Requirement
 
 import deltares
 from deltares import command_line
-from tests.jax_cache import CACHE, ROOT
+from tests.jax_cache import CACHE, CACHE_MAX_SIZE, ROOT
 
 PACKAGE_INPUTS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "deltares", "kernels_pallas", "experiments")
 # Set by deltares/__init__.py (TPU_*) and deltares/aot.py (all four) on import before they left it.
@@ -47,7 +47,8 @@ def _env(**extra) -> dict:
     if command_line.tpu_chips_present():
         env["JAX_PLATFORMS"] = "cpu"  # keep the tests off the chips; libtpu is quiet on a TPU machine anyway
     env.update(JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", **extra)
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_MAX_SIZE),
+               **extra)
     return env
 
 

@@ -12,7 +12,6 @@ Independent expectations written here:
 import importlib.util
 import math
 import os
-import tempfile
 
 import flax
 import jax
@@ -21,20 +20,13 @@ import numpy as np
 import optax
 import pytest
 
+from jax_cache import ROOT  # also sets up the persistent compilation cache
 from deltares.nn.model import Transformer
 from deltares.training.optim import is_routing_param, make_optimizer, param_labels
 from deltares.training.steps import build, make_init, make_train_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 32
 
-# Compiled executables are cached on disk (keyed by the HLO), so reruns skip most compile time.
-jax.config.update(
-    "jax_compilation_cache_dir",
-    os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "deltares-test-jax-cache")),
-)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def debug_config(mode="delta_block"):

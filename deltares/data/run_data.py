@@ -55,7 +55,7 @@ def open_run_dataset(config, workdir: str, log: Callable[[str], None] = print, t
         source = TokenData(_prepared_dataset(config, workdir, log, through))
     else:  # named as every input is (deltares.common.inputs): one line for a path that leads to no folder
         source = TokenData(_dataset_folder(config["data"]["dataset"]))
-    if config["data"]["tokenizer"] == FROM_HF and config.get("init_from_hf"):
+    if config["data"].get("tokenizer") == FROM_HF and config.get("init_from_hf"):
         spec = run_tokenizer(config)
         if (want := _fingerprint(spec)) is not None and source.record()["tokenizer_sha256"] != want:
             raise DataError(

@@ -33,6 +33,7 @@ from deltares.nn.config import REPLACEMENT_MODES
 from deltares.nn.nnx import DepthStack as NNXDepthStack
 from deltares.nn.routing import depth_route
 from tests.jax_cache import ENV
+from tests.test_stack import _random_routers
 
 B, T, D, F, M = 2, 6, 8, 12, 3  # batch, tokens, width, MLP width, memory tokens
 RATE, HOOK_RATE = 0.3, 0.1
@@ -242,21 +243,6 @@ def reference(scenario, mode, block_layers, layers, final, masks, hook, n_layers
 
 def _loss(out_BTD, aux_L):
     return jnp.sum(jnp.sin(out_BTD) * jnp.arange(D)) + jnp.sum(aux_L * jnp.arange(1, len(aux_L) + 1))
-
-
-def _random_routers(params, seed=1):
-    """Every router's query and gain redrawn, so that no routing is uniform."""
-    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = []
-    for key, (path, x) in zip(keys, leaves):
-        name = jax.tree_util.keystr(path)
-        if "query" in name:
-            x = jax.random.normal(key, x.shape)
-        elif "gain" in name:
-            x = 1 + 0.3 * jax.random.normal(key, x.shape)
-        out.append(x)
-    return jax.tree.unflatten(tree, out)
 
 
 def _close(got, want, depth):

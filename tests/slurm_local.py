@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -51,17 +52,26 @@ def unavailable() -> str | None:
 
 
 def free_ports(n: int) -> list[int]:
-    """n ports that nothing listens on now (held open together, so they differ)."""
-    sockets = []
+    """n different ports that nothing listens on now, below the kernel's range of ephemeral ports: no
+    connection's own port and no `bind(port 0)` of another test takes them later, so a port chosen now
+    is still free for a coordinator that starts minutes later (a requeued job's next attempt)."""
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    candidates = random.Random().sample(range(10000, max(ephemeral_low, 10000 + 4 * n)), 4 * n + 200)
+    ports = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports between 10000 and {ephemeral_low}")
 
 
 def memory_mb() -> int:

@@ -640,8 +640,8 @@ def test_documented_commands_run(workspace):
           f"{len(not_run)} classified not to run: "
           + ", ".join(sorted({r.name for _, r in not_run})) + ")")
     print("per source: " + ", ".join(f"{s} {n}" for s, n in sorted(per_source.items())))
-    for o in sorted(outcomes.values(), key=lambda o: -o.seconds)[:8]:
-        print(f"  {o.seconds:6.1f} s  {o.command[:110]}")
+    for o in sorted(outcomes.values(), key=lambda o: -o.seconds)[:20]:
+        print(f"  {o.seconds:6.1f} s  {o.command[:150]}")
     assert not problems, f"{len(problems)} documented commands failed:\n\n" + "\n\n".join(problems)
     assert only or len(ran) + len(not_run) >= MIN_DOCUMENTED
 

@@ -21,7 +21,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from deltares.data.prepare import prepare
 from deltares.training.metrics import read_metrics
 from deltares.train import TrainError, initialize_distributed
 
+import slurm_local
 from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
 
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
@@ -49,12 +49,6 @@ OVERRIDES = [
     "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.tensor=1",
     "--config.train.log_every=1", "--config.train.checkpoint_every=1000", f"--config.train.stats_every={STATS_EVERY}",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_env(devices: int, record: str, sleep: float, **extra) -> dict:
@@ -115,7 +109,7 @@ class Run:
                    "--workdir", self.workdir, f"--config.data.dataset={dataset}", *OVERRIDES]
         else:
             cmd = slurm_step(tmp, dataset, workdir)
-        port = free_port()
+        (port,) = slurm_local.free_ports(1)
         self.procs = []
         for i in range(processes):
             cluster = slurm_task_env(i, port) if processes > 1 else dict(  # a cluster of one, by jax's own variables

@@ -51,10 +51,11 @@ DEADLINE = 600  # seconds for the whole scenario
 MIN_NEW_STEPS = 2  # steps an attempt trains past its resume step before the test stops it
 LOSS_ATOL = 1e-5  # two processes (gloo's sums) against one; one process against one: equal
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
-# The probes' trainer: reports, then on a restart finishes; otherwise exits $PROBE_EXIT, or with `wait`
+# The probes' trainer: answers SIGTERM from before it reports (its report lets the test signal it), then on a
+# restart finishes; otherwise exits $PROBE_EXIT, or with `wait`
 # runs until SIGTERM, on which it exits 75 (a trainer that saved).
-PROBE = """echo "probe $* cpus=$(nproc) restart=${SLURM_RESTART_COUNT:-0}"
-trap 'echo "probe: SIGTERM"; exit 75' TERM
+PROBE = """trap 'echo "probe: SIGTERM"; exit 75' TERM
+echo "probe $* cpus=$(nproc) restart=${SLURM_RESTART_COUNT:-0}"
 [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && exit 0
 [ "$PROBE_EXIT" = wait ] || exit "$PROBE_EXIT"
 sleep 300 & wait $!
@@ -109,6 +110,12 @@ class Job:
         path = os.path.join(self.out, f"{self.name}-{self.id}.log")
         return open(path).read() if os.path.exists(path) else ""
 
+    def tail(self, chars: int = 6000) -> str:
+        """The log's end for an assertion's message, without the Python thread dumps of an aborted trainer
+        (they fill it and push out the line that says why it aborted)."""
+        log = re.sub(r"(?m)^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+) .*\n(^ +File .*\n)*\n?", "", self.log())
+        return re.sub(r"(?m)^Extension modules: .*\n", "", log)[-chars:]
+
     def attempts(self) -> list[str]:
         """The job log split at each start of the job script."""
         return re.split(r"(?m)^(?=deltares: job \d+, restart \d+)", self.log())[1:]
@@ -146,7 +153,7 @@ class Job:
             out.append([])
             for p in range(self.processes):
                 path = os.path.join(self.out, f"rec-{p}-{restart}.json")
-                assert os.path.exists(path), f"process {p} of restart {restart} left no record:\n{self.log()[-6000:]}"
+                assert os.path.exists(path), f"process {p} of restart {restart} left no record:\n{self.tail()}"
                 with open(path) as f:
                     out[-1].append(json.load(f))
         return out
@@ -288,7 +295,7 @@ def scenario(cluster, builtin_dataset, reference, tmp_path_factory):
             time.sleep(0.5)
     except BaseException:
         for job in jobs:
-            print(f"--- job {job.name} {job.id}: {job.state()}\n{job.log()[-6000:]}")
+            print(f"--- job {job.name} {job.id}: {job.state()}\n{job.tail()}")
         raise
     print(f"slurm scenario: {time.monotonic() - started:.1f}s")
     for job in jobs[:2]:
@@ -299,9 +306,9 @@ def scenario(cluster, builtin_dataset, reference, tmp_path_factory):
 def check_stops_and_resumes(job) -> list[int]:
     """Each stopped attempt saved one step (the same on every process) that the next resumed from; returns them."""
     attempts = job.attempts()
-    assert len(attempts) == len(job.fired) + 1, job.log()[-6000:]
+    assert len(attempts) == len(job.fired) + 1, job.tail()
     records = job.records()
-    assert len(records) == len(attempts), job.log()[-6000:]
+    assert len(records) == len(attempts), job.tail()
     stops = []
     for k, (attempt, procs) in enumerate(zip(attempts, records)):
         assert [p["process"] for p in procs] == [[i, job.processes] for i in range(job.processes)]
@@ -328,7 +335,7 @@ def test_a_finished_run_ends_the_job_and_is_not_requeued(scenario):
         job = scenario["jobs"][name]
         state = job.state()
         assert (state["JobState"], state["ExitCode"], job.restarts(state)) == ("COMPLETED", "0:0", len(job.fired)), \
-            job.log()[-6000:]
+            job.tail()
         assert job.attempts()[-1].rstrip().endswith("deltares: the run is finished")
         assert job.log().count("the run is finished") == 1
 

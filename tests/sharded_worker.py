@@ -54,7 +54,7 @@ def batches(cfg):
 
 
 def single_device(cfg):
-    model, tx, _ = build(cfg)
+    model, tx, *_ = build(cfg)
     state = jax.jit(make_init(model, tx, cfg.data.seq_len))(cfg.seed)
     step = jax.jit(make_train_step(model, tx))
     losses = []

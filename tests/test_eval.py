@@ -77,7 +77,7 @@ def run(tmp_path_factory):
     prepare(str(root / "text.txt"), "bpe:400", dataset, val_fraction=VAL_FRACTION, progress=False)
 
     cfg = debug_config(dataset)
-    model, tx, _ = build(cfg)
+    model, tx, *_ = build(cfg)
     state = jax.jit(make_init(model, tx, cfg.data.seq_len))(0)
     step = jax.jit(make_train_step(model, tx))
     train = TokenData(dataset).tokens("train")
@@ -201,7 +201,7 @@ def delete_optimizer_data(step_dir):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the failed restore's reads
 def test_params_only_restore_never_reads_the_optimizer_state(run, tmp_path):
-    model, tx, _ = build(run["cfg"])
+    model, tx, *_ = build(run["cfg"])
     abstract = jax.eval_shape(make_init(model, tx, run["cfg"].data.seq_len), 0)
     workdir = str(tmp_path / "run")
     shutil.copytree(run["workdir"], workdir)

@@ -23,7 +23,7 @@ import pytest
 from jax_cache import ROOT  # also sets up the persistent compilation cache
 from deltares.nn.model import Transformer
 from deltares.training.optim import is_routing_param, make_optimizer, param_labels
-from deltares.training.steps import build, make_init, make_train_step
+from deltares.training.steps import abstract_state, build, make_init, make_train_step
 
 SEQ = 32
 
@@ -297,7 +297,7 @@ def test_accumulation_with_the_real_optimizer(model_and_params):
     cfg, _, _ = model_and_params
     cfg = cfg.copy_and_resolve_references()
     cfg.optim.update(warmup_steps=1, lr=1e-3)
-    model, tx, _ = build(cfg)
+    model, tx, *_ = build(cfg)
     init = jax.jit(make_init(model, tx, SEQ))
     start = init(0)
     states = {m: jax.tree.map(jnp.array, start) for m in (1, 4)}  # copies: the steps donate nothing, but be safe
@@ -314,3 +314,20 @@ def test_accumulation_with_the_real_optimizer(model_and_params):
     assert all(np.abs(a[k] - first[k]).max() > 1e-4 for k in a if k not in ROUTING), "some model parameter never moved"
     for key in a:
         np.testing.assert_allclose(b[key], a[key], atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("mode, scan, routing_lr", [("delta_block", False, None), ("delta", True, 0.03),
+                                                    ("baseline", False, None)])
+def test_abstract_state_is_the_shape_of_the_initial_state(mode, scan, routing_lr):
+    """`abstract_state` (from the parameters' shapes, no second trace) has the tree, shapes and dtypes that
+    `jax.eval_shape` of the initialiser itself gives: the optimizer's groups and moments included."""
+    cfg = debug_config(mode)
+    cfg.model.scan_layers = scan
+    if routing_lr is not None:
+        cfg.optim.routing_lr = routing_lr
+    model, tx, _, boxed = build(cfg)
+    want = jax.eval_shape(make_init(model, tx, cfg.data.seq_len), 0)
+    got = abstract_state(boxed, tx)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert jax.tree.leaves(jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype), got, want)) == \
+        [True] * len(jax.tree.leaves(want))

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from deltares.nn.model import Transformer
 from deltares.training.sharding import MIN_SHARDED_FRACTION, MeshStep, logical_sharding, sharded_fraction, state_shardings
-from deltares.training.steps import abstract_params, build, make_eval_step, make_init, make_stats_step, make_train_step
+from deltares.training.steps import abstract_state, build, make_eval_step, make_init, make_stats_step, make_train_step
 
 
 class ShardedTraining(NamedTuple):
@@ -35,19 +35,18 @@ def sharded_train_step(cfg, mesh, eos_id: int | None = None) -> ShardedTraining:
     and what goes with it. Warns when fsdp > 1 and under 98% of parameter bytes are split.
     `eos_id`: the dataset's end-of-text, for document masks (`config.data.document_mask`; a
     program compiled ahead of time without data masks at id 0, the same cost)."""
-    model, tx, schedules = build(cfg)  # the model and its steps (steps), then their shardings (sharding)
-    boxed = abstract_params(model, cfg.data.seq_len)
+    model, tx, schedules, boxed = build(cfg)  # the model and its steps (steps), then their shardings (sharding)
     init_fn = make_init(model, tx, cfg.data.seq_len)
     eos = (eos_id or 0) if cfg.data.document_mask else None
     train_fn = make_train_step(model, tx, cfg.train.micro_batches, eos)
     eval_fn, stats_fn = make_eval_step(model, eos), make_stats_step(model, eos)
-    abstract_state = jax.eval_shape(init_fn, 0)
-    shardings = state_shardings(boxed, abstract_state, mesh)
+    state_shapes = abstract_state(boxed, tx)
+    shardings = state_shardings(boxed, state_shapes, mesh)
     batch_sharding = logical_sharding(mesh, ("batch", None))
-    if mesh.shape["fsdp"] > 1 and (fraction := sharded_fraction(abstract_state, shardings)) < MIN_SHARDED_FRACTION:
+    if mesh.shape["fsdp"] > 1 and (fraction := sharded_fraction(state_shapes, shardings)) < MIN_SHARDED_FRACTION:
         warnings.warn(f"only {fraction:.1%} of parameter bytes are sharded on mesh {dict(mesh.shape)}", stacklevel=2)
-    abstract_state = jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), abstract_state, shardings
+    state_shapes = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state_shapes, shardings
     )
     replicated = NamedSharding(mesh, P())
     step = jax.jit(train_fn, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
@@ -55,6 +54,6 @@ def sharded_train_step(cfg, mesh, eos_id: int | None = None) -> ShardedTraining:
     # inside nn.scan with the unstacked names; out_shardings places the result.
     init = jax.jit(init_fn, static_argnums=0, out_shardings=shardings)
     return ShardedTraining(
-        MeshStep(step, mesh), init, abstract_state, shardings, batch_sharding, model, tx, schedules, mesh,
+        MeshStep(step, mesh), init, state_shapes, shardings, batch_sharding, model, tx, schedules, mesh,
         MeshStep(jax.jit(eval_fn), mesh), MeshStep(jax.jit(stats_fn), mesh),
     )

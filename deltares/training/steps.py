@@ -106,8 +106,16 @@ def make_stats_step(model: Transformer, eos_id: int | None = None):
 
 
 def build(cfg):
-    """Model, optimizer, learning-rate schedules and abstract params of an experiment config."""
+    """Model, optimizer, learning-rate schedules and the parameters' shapes (boxed with their logical
+    names) of an experiment config; the model is traced once."""
     model = Transformer(cfg.model)
-    params = nn.meta.unbox(abstract_params(model, cfg.data.seq_len))
-    tx, schedules = make_optimizer(cfg, params, scanned=cfg.model.scan_layers)
-    return model, tx, schedules
+    boxed = abstract_params(model, cfg.data.seq_len)
+    tx, schedules = make_optimizer(cfg, nn.meta.unbox(boxed), scanned=cfg.model.scan_layers)
+    return model, tx, schedules, boxed
+
+
+def abstract_state(boxed_params, tx: optax.GradientTransformation) -> dict:
+    """The shapes of the train state that `make_init` returns, from the parameters' shapes: the same
+    as `jax.eval_shape` of it, without tracing the model again (seconds at a paper scale)."""
+    params = nn.meta.unbox(boxed_params)
+    return {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params, "opt_state": jax.eval_shape(tx.init, params)}

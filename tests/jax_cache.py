@@ -7,27 +7,57 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "deltares-test-jax-cache"))
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # A size bound turns on the cache's file lock around every read and write: without it a process can read an
-# entry another is still writing (JAX writes in place) and crash deserializing it.
-CACHE_MAX_SIZE = 64 * 2**30
-jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_SIZE)
+# entry another is still writing (JAX writes in place) and crash deserializing it. With it, every write
+# first scans the whole folder (its eviction check): programs that compile in under a second (the op-by-op
+# programs of eager code, thousands) are not worth a write.
+MIN_COMPILE_SECONDS, MAX_SIZE = 1.0, 64 * 2**30
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+jax.config.update("jax_compilation_cache_max_size", MAX_SIZE)
+# the same for a subprocess
+SETTINGS = {
+    "JAX_COMPILATION_CACHE_DIR": CACHE,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(MIN_COMPILE_SECONDS),
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(MAX_SIZE),
+}
+
+
+def repair_cache(folder: str = CACHE) -> int:
+    """Gives every entry of the cache its access-time file; returns how many it gave. JAX's eviction check
+    reads one per entry on every write and fails on an entry without one (written by a process without the
+    size bound, or killed between its two files); each later write then fails too, silently."""
+    try:
+        names = set(os.listdir(folder))
+    except OSError:
+        return 0
+    stamp, repaired = time.time_ns().to_bytes(8, "little"), 0
+    for name in names:
+        if name.endswith("-cache") and f"{name[:-len('-cache')]}-atime" not in names:
+            try:
+                with open(os.path.join(folder, f"{name[:-len('-cache')]}-atime"), "xb") as f:
+                    f.write(stamp)
+                repaired += 1
+            except OSError:  # written meanwhile by the entry's own writer, or the entry is gone
+                pass
+    return repaired
+
+
+repair_cache()
 
 ENV = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
     PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-    JAX_COMPILATION_CACHE_DIR=CACHE,
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-    JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_MAX_SIZE),
+    **SETTINGS,
 )
 
 

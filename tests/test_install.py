@@ -32,7 +32,7 @@ from packaging.requirements import Requirement
 
 import deltares
 from deltares import command_line
-from tests.jax_cache import CACHE, CACHE_MAX_SIZE, ROOT
+from tests.jax_cache import ROOT, SETTINGS
 
 PACKAGE_INPUTS = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "deltares", "kernels_pallas", "experiments")
 # Set by deltares/__init__.py (TPU_*) and deltares/aot.py (all four) on import before they left it.
@@ -46,9 +46,7 @@ def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in TOOL_VARIABLES + ("PYTHONPATH",)}
     if command_line.tpu_chips_present():
         env["JAX_PLATFORMS"] = "cpu"  # keep the tests off the chips; libtpu is quiet on a TPU machine anyway
-    env.update(JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_MAX_SIZE),
-               **extra)
+    env.update(SETTINGS, **extra)
     return env
 
 

@@ -31,27 +31,38 @@ SETTINGS = {
 }
 
 
-def repair_cache(folder: str = CACHE) -> int:
-    """Gives every entry of the cache its access-time file; returns how many it gave. JAX's eviction check
-    reads one per entry on every write and fails on an entry without one (written by a process without the
-    size bound, or killed between its two files); each later write then fails too, silently."""
-    try:
-        names = set(os.listdir(folder))
-    except OSError:
+def tidy_cache(folder: str = CACHE, max_age_days: float = 3.0) -> int:
+    """Removes the entries JAX's eviction check cannot read, and those unused for `max_age_days`; returns
+    how many. That check runs on every write, reads each entry's access-time file and fails on an entry
+    without one (written by a process without the size bound, or killed between its two files): each
+    later write would then fail too, silently. It also scans the whole folder, so old entries make every
+    write slower. Under JAX's own lock."""
+    import filelock  # JAX's size bound needs it installed
+
+    if not os.path.isdir(folder):
         return 0
-    stamp, repaired = time.time_ns().to_bytes(8, "little"), 0
-    for name in names:
-        if name.endswith("-cache") and f"{name[:-len('-cache')]}-atime" not in names:
+    oldest, removed = time.time_ns() - int(max_age_days * 86400e9), 0
+    with filelock.FileLock(os.path.join(folder, ".lockfile"), timeout=60):
+        for name in os.listdir(folder):
+            if not name.endswith("-cache"):
+                continue
+            entry, atime = os.path.join(folder, name), os.path.join(folder, f"{name[:-len('-cache')]}-atime")
             try:
-                with open(os.path.join(folder, f"{name[:-len('-cache')]}-atime"), "xb") as f:
-                    f.write(stamp)
-                repaired += 1
-            except OSError:  # written meanwhile by the entry's own writer, or the entry is gone
-                pass
-    return repaired
+                with open(atime, "rb") as f:
+                    keep = int.from_bytes(f.read(), "little") >= oldest
+            except OSError:
+                keep = False
+            if not keep:
+                for path in (entry, atime):
+                    try:
+                        os.remove(path)
+                    except FileNotFoundError:
+                        pass
+                removed += 1
+    return removed
 
 
-repair_cache()
+tidy_cache()
 
 ENV = dict(
     os.environ,

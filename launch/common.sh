@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by launch/tpu.sh, launch/gpu.sh and launch/slurm.sh (sourced; PROG names the calling script).
 
 START=$PWD # where the user started the launcher: their relative paths are relative to it
@@ -25,6 +26,7 @@ local_path() {
   local -n path_=$1
   local p=$path_ user home part parts out=()
   [[ -n $p && $p != *://* ]] || return 0
+  # shellcheck disable=SC2088  # the literal "~" the user typed, expanded below
   if [[ $p == "~" || $p == "~/"* ]]; then
     p=$HOME${p:1}
   elif [[ $p == "~"* ]]; then

@@ -36,6 +36,7 @@ EOF
 }
 PROG=gpu.sh
 # shellcheck source=launch/common.sh
+# shellcheck source=launch/common.sh
 source "$ROOT/launch/common.sh"
 
 while (($#)); do

@@ -57,6 +57,7 @@ EOF
 }
 PROG=slurm.sh
 # shellcheck source=launch/common.sh
+# shellcheck source=launch/common.sh
 source "$ROOT/launch/common.sh"
 
 while (($#)); do

@@ -57,6 +57,7 @@ EOF
 }
 PROG=tpu.sh
 # shellcheck source=launch/common.sh
+# shellcheck source=launch/common.sh
 source "$ROOT/launch/common.sh"
 
 while (($#)); do
@@ -123,7 +124,7 @@ if [[ -z $VERSION ]]; then
     v6e-*) VERSION=v2-alpha-tpuv6e ;;
     v5p-*) VERSION=v2-alpha-tpuv5 ;;
     v5litepod-* | v5e-*) VERSION=v2-alpha-tpuv5-lite ;;
-    v2-* | v3-* | v4-*) VERSION=tpu-ubuntu2204-base ;;
+    v2-* | v3-* | v4-*) VERSION="tpu-ubuntu2204-base" ;;
     *) die "missing required setting: --version (no default runtime for --type $TYPE)" ;;
   esac
 fi

@@ -10,6 +10,7 @@ detached start, the log and pid files and `--stop` run for real there, with a fa
 trainer that saves and exits on SIGTERM.
 """
 
+import glob
 import json
 import os
 import re
@@ -1021,10 +1022,16 @@ def test_gpu_bench_out_that_is_a_file_is_one_line_error(tmp_path):
     check_one_line_error(run_py(["--out", str(tmp_path / "out"), "--stages", "kernel"]), "is a file")
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-@pytest.mark.parametrize("script", [TPU, GPU, SLURM])
+SHELL_SCRIPTS = sorted(os.path.relpath(p, ROOT) for pattern in ("launch/*.sh", "docs/**/*.sh", ".ci/run")
+                       for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (.ci/run installs it)")
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
 def test_shellcheck(script):
-    subprocess.run(["shellcheck", script], check=True)
+    """No warning of shellcheck's, the sourced common.sh followed (-x)."""
+    proc = subprocess.run(["shellcheck", "-x", "--severity=warning", script], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
 
 
 def test_scripts_are_executable():

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from event_files import event_scalars
-from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
+from jax_cache import ENV, ROOT
 
 STEPS, SEQ, BATCH = 30, 32, 4
 # The uninterrupted reference run and the interrupted ones share these overrides.

@@ -1,7 +1,9 @@
-"""A persistent XLA compilation cache shared by the slow test modules and their subprocesses.
+"""A persistent XLA compilation cache shared by the tests' subprocesses.
 
 `ENV` is the environment for a `python -m deltares...` subprocess: CPU only, the repository
-importable, the same cache."""
+importable, the same cache. The test processes themselves (pytest's workers) do not use it: twice a
+long-lived worker crashed (a segfault) deserializing an entry read from it, and a crashed worker leaves
+pytest-xdist's file scheduler waiting for ever."""
 
 import os
 import subprocess
@@ -9,25 +11,16 @@ import sys
 import tempfile
 import time
 
-import jax
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("DELTARES_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "deltares-test-jax-cache"))
 # A size bound turns on the cache's file lock around every read and write: without it a process can read an
-# entry another is still writing (JAX writes in place) and crash deserializing it. With it, every write
-# first scans the whole folder (its eviction check): programs that compile in under a second (the op-by-op
-# programs of eager code, thousands) are not worth a write.
-MIN_COMPILE_SECONDS, MAX_SIZE = 1.0, 64 * 2**30
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-jax.config.update("jax_compilation_cache_max_size", MAX_SIZE)
-# the same for a subprocess
+# entry another is still writing (JAX writes in place). With it, every write first scans the whole folder
+# (its eviction check): programs that compile in under a second are not worth a write.
 SETTINGS = {
     "JAX_COMPILATION_CACHE_DIR": CACHE,
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(MIN_COMPILE_SECONDS),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1.0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(MAX_SIZE),
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 * 2**30),
 }
 
 

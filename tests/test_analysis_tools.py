@@ -33,7 +33,7 @@ from deltares.nn.model import Transformer
 from deltares.training.steps import make_stats_step
 from deltares.train import train
 
-from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
+from jax_cache import ENV, ROOT
 MODES = ("delta_block", "full_attnres", "baseline")
 STEPS, BATCH, EVAL_BATCHES = 30, 4, 2  # the debug recipe
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

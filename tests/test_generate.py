@@ -16,7 +16,7 @@ from deltares.nn.config import MODES, model_config
 from deltares.generate import generate, read_prompts, sample_logits
 from deltares.interop.inference import load_model
 from deltares.nn.model import Transformer, init_cache
-from jax_cache import run_module  # also sets up the persistent compilation cache
+from jax_cache import run_module
 from roundoff import assert_close, with_tolerance
 
 HERE = os.path.dirname(os.path.abspath(__file__))

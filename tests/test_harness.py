@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
-from jax_cache import ROOT, run_module  # noqa: E402  (also sets up the persistent compilation cache)
+from jax_cache import ROOT, run_module  # noqa: E402
 
 from deltares.harness import DeltaresLM, parse_batch_size  # noqa: E402
 

@@ -25,7 +25,7 @@ from deltares.train import TrainError, check_train_config, train
 from deltares.training.wandb_tracker import TrackerError, WandbTracker, flatten, open_tracker
 
 from event_files import event_scalars
-from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
+from jax_cache import ENV, ROOT
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 needs_wandb = pytest.mark.skipif(not HAVE_WANDB, reason="wandb is not installed (requirements.txt)")

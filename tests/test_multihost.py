@@ -35,7 +35,7 @@ from deltares.training.metrics import read_metrics
 from deltares.train import TrainError, initialize_distributed
 
 import slurm_local
-from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
+from jax_cache import ENV, ROOT
 
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 SLURM = os.path.join(ROOT, "launch", "slurm.sh")

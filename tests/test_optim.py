@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 
-from jax_cache import ROOT  # also sets up the persistent compilation cache
+from jax_cache import ROOT
 from deltares.nn.model import Transformer
 from deltares.training.optim import is_routing_param, make_optimizer, param_labels
 from deltares.training.steps import abstract_state, build, make_init, make_train_step

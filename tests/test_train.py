@@ -31,7 +31,7 @@ from debug_runs import (
     config_with, debug_config, describe, module_cmd, read_metrics, run, tensorboard_scalars, train_cmd,
     tree_digest, write_paragraphs,
 )
-from jax_cache import ENV, ROOT  # also sets up the persistent compilation cache
+from jax_cache import ENV, ROOT
 from test_data import held
 
 REQUIRED_KEYS = {"step", "loss", "loss_mean", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "tokens_seen"}

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jax_cache import ROOT  # noqa: E402 - also sets up the persistent compilation cache
+from jax_cache import ROOT  # noqa: E402
 
 
 def measure(cfg, workdir: str) -> list[dict]:

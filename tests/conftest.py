@@ -35,6 +35,13 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: name order otherwise
 
 
+def pytest_configure(config):
+    """A crashed worker stops the run (pytest-xdist's file scheduler would hand the crashing test to each
+    replacement worker in turn, and once hung waiting for one); `--max-worker-restart N` overrides."""
+    if getattr(config.option, "maxworkerrestart", "unset") is None:
+        config.option.maxworkerrestart = "0"
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist hands out whole files, in collection order (not reordered by their number of tests)."""

@@ -288,6 +288,7 @@ def train(cfg, workdir: str) -> dict:
     fresh = not paths.is_remote(workdir) and not os.path.exists(workdir)
     made = []  # the new run directory (os.stat), once this run made it
     undo = (lambda: _remove_if_empty(workdir, made)) if fresh else (lambda: None)
+    _note("locking the run directory")  # before the lock: an interrupt once it is taken says what it left
     try:
         with command_line.on_interrupt(undo), _locked(workdir) as lock:
             made.extend([os.stat(workdir)] if fresh and jax.process_index() == 0 else [])

@@ -1,4 +1,4 @@
-"""Shared test setup: make the repository root importable and keep JAX on the CPU.
+"""Shared test setup: the repository root importable, JAX on the CPU with the shared compilation cache.
 
 The tests compile many tiny programs; XLA's CPU backend optimisation level 0 roughly
 halves their compile time and does not change what they compute (no fast-math either way).
@@ -16,6 +16,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from tests.jax_cache import SETTINGS, map_limit, release_compiled_programs  # noqa: E402
+
+os.environ.update(SETTINGS)  # the persistent compilation cache, here and in the commands the tests run
 
 TINY_HF = os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny")  # a tiny Qwen3 written by transformers
 
@@ -49,6 +53,18 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False
     return LoadFileScheduling(config, log)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test file, JAX's compiled programs are freed: a worker that kept them all would reach
+    the kernel's limit on memory mappings and crash loading a program from the cache (tests/jax_cache.py).
+    A file that leaves half the limit behind even so is an error here, not a crash later."""
+    yield
+    left, limit = release_compiled_programs(), map_limit()
+    if left > limit // 2:
+        raise RuntimeError(f"this test process holds {left} memory mappings after freeing JAX's programs "
+                           f"(the limit is {limit}): something else keeps them")
 
 
 @pytest.fixture(scope="module")

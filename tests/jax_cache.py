@@ -58,6 +58,7 @@ def tidy_cache(folder: str = CACHE, max_age_days: float = 3.0) -> int:
 
 tidy_cache()
 
+
 def memory_maps() -> int:
     """How many memory mappings this process holds (Linux's /proc/self/maps; 0 where there is none)."""
     try:

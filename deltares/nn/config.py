@@ -21,8 +21,12 @@ from kernels_pallas.depth_route.api import wrong_platform
 if TYPE_CHECKING:
     import ml_collections
 
-Mode = Literal["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]  # a residual scheme
+Mode = Literal["baseline", "full_attnres", "block_attnres", "delta", "delta_block", "hyper", "mhc",
+               "denseformer"]  # a residual scheme
 MODES = get_args(Mode)
+ROUTING_MODES = MODES[:5]  # baseline and the four that route over a buffer of depth sources (the paper's)
+HYPER_MODES = ("hyper", "mhc")  # n parallel residual streams (deltares.nn.mixing)
+MIXING_MODES = HYPER_MODES + ("denseformer",)  # the other depth-mixing families (deltares.nn.mixing)
 BLOCK_MODES = ("block_attnres", "delta_block")
 REPLACEMENT_MODES = ("full_attnres", "block_attnres")
 ADDITIVE_MODES = ("delta", "delta_block")
@@ -99,6 +103,16 @@ MODEL_FIELDS = (
     Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "
           "additive modes)"),
     Field("residual.null_source", False, bool, None, "a learned null source in every routing (additive modes)"),
+    Field("residual.streams", 4, int, AT_LEAST_1, "hyper, mhc: parallel residual streams (the expansion rate n); "
+          "the stream the layers carry is n times wider"),
+    Field("residual.dynamic", True, bool, None, "hyper: input-dependent read, write and mixing weights added to "
+          "the static ones (dynamic hyper-connections); false: static only"),
+    Field("residual.sinkhorn_iterations", 20, int, AT_LEAST_1, "mhc: Sinkhorn-Knopp iterations projecting the "
+          "stream-mixing matrix onto doubly stochastic matrices (float32)"),
+    Field("residual.dilation", 1, int, AT_LEAST_1, "denseformer: layer i averages the outputs of layers j with "
+          "(i - j) a multiple of this"),
+    Field("residual.period", 1, int, AT_LEAST_1, "denseformer: a depth-weighted average after every period-th "
+          "layer only"),
 )
 
 
@@ -232,6 +246,9 @@ def validate_model_config(cfg) -> None:
     if cfg.n_heads % cfg.n_kv_heads:
         _fail(prefix, "n_kv_heads", cfg.n_kv_heads, f"must divide n_heads={cfg.n_heads}")
     res = cfg.residual
+    if res.mode in MIXING_MODES and res.group_layers:
+        _fail(prefix, "residual.group_layers", res.group_layers, f"two-phase routing is for the routing modes; "
+              f"mode {res.mode!r} does not route over sources: use 0")
     for field in ("gate", "null_source"):
         if res[field] and res.mode not in ADDITIVE_MODES:
             _fail(prefix, f"residual.{field}", True, f"only for the additive modes {', '.join(ADDITIVE_MODES)}")
@@ -255,9 +272,18 @@ def check_platform(cfg, platform: str, seq_len: int) -> None:
               "devices run), 'pallas' (the kernel of their platform) or 'xla'")
 
 
+def has_router(mode: str, k: int, n: int) -> bool:
+    """Whether sublayer k of a layer of n sublayers has a router in `mode` (its mixer in the mixing
+    modes): every sublayer in the routing and hyper modes, the layer's last in denseformer, none in
+    baseline."""
+    if mode == "denseformer":
+        return k == n - 1
+    return mode != "baseline"
+
+
 def dtype_of(name: str):
     """The jnp dtype for a validated dtype name."""
     return DTYPES[name]
 
 
-__all__ = ["ADDITIVE_MODES", "BLOCK_MODES", "MODEL_FIELDS", "MODES", "Mode", "REMAT_POLICIES", "REPLACEMENT_MODES", "ROUTING_IMPLS", "dtype_of", "model_config", "validate_model_config"]
+__all__ = ["ADDITIVE_MODES", "BLOCK_MODES", "HYPER_MODES", "MIXING_MODES", "MODEL_FIELDS", "MODES", "Mode", "ROUTING_MODES", "REMAT_POLICIES", "REPLACEMENT_MODES", "ROUTING_IMPLS", "dtype_of", "model_config", "validate_model_config"]

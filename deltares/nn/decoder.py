@@ -1,4 +1,4 @@
-"""One transformer layer (attention then MLP) under any of the five residual modes.
+"""One transformer layer (attention then MLP) under any residual mode.
 
 The layer carries `DepthState`: the additive stream h, and for routed modes the
 source buffer with each slot's cached 1/rms. For sublayer j:
@@ -21,7 +21,7 @@ import flax.linen as nn
 
 from deltares.nn.config import dtype_of
 from deltares.nn.depth import DepthState
-from deltares.nn.layers import MLP, Attention, DepthRouter, RMSNorm
+from deltares.nn.layers import MLP, Attention, RMSNorm
 from deltares.nn.routed import DepthRouting
 
 
@@ -43,13 +43,12 @@ class DecoderLayer(nn.Module):
     config: Any
     return_stats: bool = False
 
-    def _router(self, name: str, routing: DepthRouting, two_phase: bool):
-        """Sublayer `name`'s router, or None in baseline."""
-        if not routing.uses_routers:
-            return None
+    def _router(self, name: str, k: int, routing: DepthRouting, two_phase: bool):
+        """Sublayer `name`'s (the k-th of two) router, or None (`DepthRouting.has_router`)."""
         res = self.config.residual
         impl = router_impl(self.config, self.return_stats, two_phase)
-        return DepthRouter(res.gate, res.null_source, impl, res.interpret, self.config.norm_eps, name=f"{name}_router")
+        return routing.linen_router(k, 2, f"{name}_router", gate=res.gate, null_source=res.null_source, impl=impl,
+                                    interpret=res.interpret)
 
     def _pre_norm(self, name: str, body):
         """f(x) = body(RMSNorm(x)), the norm named `name + "_norm"`."""
@@ -79,7 +78,8 @@ class DecoderLayer(nn.Module):
             return out_BTD
 
         bodies = (("attn", attend), ("mlp", MLP(cfg.d_ff, dtype, param_dtype, name="mlp")))
-        pairs = [(self._router(name, routing, prefix is not None), self._pre_norm(name, body)) for name, body in bodies]
+        pairs = [(self._router(name, k, routing, prefix is not None), self._pre_norm(name, body))
+                 for k, (name, body) in enumerate(bodies)]
         out = routing.layer(state, layer, pairs, only=only, prefix=prefix, stats=self.return_stats)
         if only is not None or cache is None:
             return out

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from deltares.nn import routing
+from deltares.nn import mixing, routing
 from deltares.nn.axes import SOURCES_AXES, STREAM_AXES, constrain
-from deltares.nn.config import BLOCK_MODES
+from deltares.nn.config import BLOCK_MODES, HYPER_MODES
 from deltares.nn.layers import PassedSources
 from deltares.nn.residual import ResidualPlan, Segment, row
 from kernels_pallas.depth_route.api import implementation_for
@@ -62,12 +62,21 @@ class DepthState(NamedTuple):
     inv_rms_SBT: jax.Array | tuple | None  # float32 1/rms of every slot
     h_block_BTD: jax.Array | None = None  # block modes: the stream where the running block began
     segment: Segment | None = None  # a store-once scan's segment: routers read its first n_read slots only
+    streams_RBTD: jax.Array | None = None  # hyper, mhc: the R parallel streams (then h_BTD is None)
 
 
 def init_depth_state(e_BTD, plan: ResidualPlan, eps: float = routing.NORM_EPS, listed: bool = False) -> DepthState:
     """Stream = e; slot 0 of the buffer holds e, all other slots are zero. `listed` (unrolled
     layers, sublayer indices known when tracing): the sources are a tuple of the slots written so
-    far, so a write appends or replaces one array and never copies a buffer."""
+    far, so a write appends or replaces one array and never copies a buffer. `hyper`, `mhc`: R streams
+    holding e; `denseformer`: the stream e and the layer outputs' buffer with X_0 = e."""
+    if plan.mode in HYPER_MODES:
+        return DepthState(None, None, None, streams_RBTD=mixing.expand_streams(e_BTD, plan.n_slots))
+    if plan.mode == "denseformer":
+        if listed:
+            return DepthState(e_BTD, (e_BTD,), None)
+        sources = jnp.broadcast_to(jnp.zeros_like(e_BTD)[None], (plan.n_slots,) + e_BTD.shape).at[0].set(e_BTD)
+        return DepthState(e_BTD, constrain(sources, SOURCES_AXES), None)
     if not plan.uses_sources:
         return DepthState(e_BTD, None, None)
     h_block = e_BTD if plan.mode in BLOCK_MODES else None
@@ -120,7 +129,7 @@ def routing_sources(plan: ResidualPlan, state: DepthState, j, eps: float = routi
             jnp.where(is_slot[:, None, None], p_inv_BT[None], inv))
 
 
-def _select(flag, a, b):
+def select(flag, a, b):
     """jnp.where(flag, a, b), decided when tracing where the flag is known (`row`)."""
     if isinstance(flag, (bool, np.bool_)):
         return a if flag else b
@@ -204,7 +213,7 @@ def sublayer_input(plan: ResidualPlan, state: DepthState, j, router, null_source
     if weights_SBT is not None and n < plan.n_slots:  # statistics cover every slot
         weights_SBT = jnp.pad(weights_SBT, ((0, plan.n_slots - n), (0, 0), (0, 0)))
     if residual is not None:  # single source: no routing, x = h
-        x_BTD = _select(routed, x_BTD, state.h_BTD)
+        x_BTD = select(routed, x_BTD, state.h_BTD)
     return x_BTD, weights_SBT, routed, state
 
 
@@ -234,7 +243,7 @@ def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = rout
         if listed:  # j is known
             h_block = state.h_BTD if plan.opens_block[j] else state.h_block_BTD
         else:
-            h_block = _select(row(plan.opens_block, j, state.segment), state.h_BTD, state.h_block_BTD)
+            h_block = select(row(plan.opens_block, j, state.segment), state.h_BTD, state.h_block_BTD)
         slot_BTD, slot_inv_BT = _block_partial(DepthState(h_BTD, None, None, h_block), dtype, eps)
     else:
         slot_BTD = v_BTD.astype(dtype)
@@ -251,7 +260,9 @@ def add_delta(plan: ResidualPlan, state: DepthState, j, v_BTD, eps: float = rout
 
 def stack_output(plan: ResidualPlan, state: DepthState, final_router=None):
     """The stack's output before the final norm: the Kimi modes route over every source with
-    `final_router` (own parameters), the others return the stream h_2L."""
+    `final_router` (own parameters), `hyper` and `mhc` sum their streams, the others return the stream h_2L."""
+    if plan.mode in HYPER_MODES:
+        return mixing.reduce_streams(state.streams_RBTD)
     if not plan.replaces_stream:
         return state.h_BTD
     if final_router is None:
@@ -505,7 +516,7 @@ def _unit_backward(layer_fn, plan: ResidualPlan, seg: Segment, final: DepthState
     primals = (jax.lax.dynamic_slice_in_dim(final.sources_SBTD, start, n),
                jax.lax.dynamic_slice_in_dim(final.inv_rms_SBT, start, n))
     if block and seg.block_start:  # the block may open at the unit's first sublayer
-        h_block = _select(_flag(plan, plan.opens_block, u, 0, seg), h_l, h_block)
+        h_block = select(_flag(plan, plan.opens_block, u, 0, seg), h_l, h_block)
     hs, h_blocks, forward_vjps, vs, slots, v_invs = [h_l], [h_block], [], [], [], []
     for k in range(P - 1):  # the sublayers' inputs: h_{k+1} = h_k + v_k
         if block:
@@ -521,7 +532,7 @@ def _unit_backward(layer_fn, plan: ResidualPlan, seg: Segment, final: DepthState
         hs.append(hs[k] + v.astype(h_l.dtype))
         if block:
             opens = _flag(plan, plan.opens_block, u, k + 1, seg)
-            h_blocks.append(_select(opens, hs[k + 1], h_blocks[k]))
+            h_blocks.append(select(opens, hs[k + 1], h_blocks[k]))
         else:
             h_blocks.append(h_block)
             vs.append(v)
@@ -653,8 +664,8 @@ def _layer_backward(plan: ResidualPlan, seg: Segment | None, u, P: int, hs, h_bl
             d_block = d_block + d_block_k.astype(d_block.dtype)
             opens_j = _flag(plan, plan.opens_block, u, k, seg, j)  # h_block is then this sublayer's input h_j
             if not (isinstance(opens_j, np.bool_) and not opens_j):
-                d_h = _select(opens_j, d_h + d_block.astype(d_h.dtype), d_h)
-                d_block = _select(opens_j, jnp.zeros_like(d_block), d_block)
+                d_h = select(opens_j, d_h + d_block.astype(d_h.dtype), d_h)
+                d_block = select(opens_j, jnp.zeros_like(d_block), d_block)
         d_params_u = d_p if d_params_u is None else jax.tree.map(jnp.add, d_params_u, d_p)
     return d_h, d_block, d_params_u, acc
 
@@ -676,7 +687,7 @@ def _closed_block_cotangent(final: DepthState, d_sources, d_inv, slot, closes_j,
         return d_h, d_block
     _, inv_vjp = jax.vjp(lambda c: routing.inv_rms(c, eps), final.sources_SBTD[slot])
     (d_c_inv,) = inv_vjp(d_inv[slot])
-    d_c = _select(closes_j, d_sources[slot].astype(jnp.float32) + d_c_inv, jnp.zeros_like(d_c_inv))
+    d_c = select(closes_j, d_sources[slot].astype(jnp.float32) + d_c_inv, jnp.zeros_like(d_c_inv))
     return d_h + d_c.astype(d_h.dtype), d_block - d_c.astype(d_block.dtype)
 
 

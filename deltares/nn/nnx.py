@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deltares.nn import routing
-from deltares.nn.config import MODES, ROUTING_IMPLS, Mode
+from deltares.nn import mixing, routing
+from deltares.nn.config import HYPER_MODES, MIXING_MODES, MODES, ROUTING_IMPLS, Mode, has_router
 from deltares.nn.depth import Outputs, depth_scan
 from deltares.nn.layers import ROUTER_PARAMS, apply_router, router_param_names, router_param_shape
 
@@ -90,6 +90,62 @@ class DepthRouter(nnx.Module):
         return (out_BTD if self.dtype is None else out_BTD.astype(self.dtype)), weights_SBT
 
 
+def _params(module: nnx.Module, shapes: dict, param_dtype, rngs) -> None:
+    """The parameters of `shapes` (deltares.nn.mixing) as attributes of `module`, with their axis names."""
+    for name, (shape, value, axes) in shapes.items():
+        key = rngs.params() if rngs is not None else jax.random.key(0)
+        setattr(module, name, nnx.Param(mixing.initializer(value)(key, shape, param_dtype), out_sharding=axes,
+                                        eager_sharding=False))
+
+
+class HyperConnection(nnx.Module):
+    """One sublayer's (manifold-constrained, `mhc`) hyper-connection over `streams` streams of width
+    `d_model`; the NNX counterpart of deltares.nn.mixing.HyperConnection, called the same way:
+    `module(H, j)` the input, `module(H, j, y)` the streams after the sublayer, `stats=True` statistics.
+    `rngs` draws mHC's random phi (default: a fixed key)."""
+
+    def __init__(self, d_model: int, streams: int = 4, *, mhc: bool = False, dynamic: bool = True,
+                 sinkhorn_iterations: int = 20, epsilon: float = routing.NORM_EPS, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
+        self.param_names = tuple(mixing.connection_shapes(streams, d_model, mhc, dynamic))
+        self.sinkhorn_iterations, self.epsilon = sinkhorn_iterations, epsilon
+        _params(self, mixing.connection_shapes(streams, d_model, mhc, dynamic), param_dtype, rngs)
+
+    def __call__(self, H_RBTD, j, y_BTD=None, stats: bool = False):
+        params = {name: getattr(self, name)[...] for name in self.param_names}
+        return mixing.connect(params, H_RBTD, j, y_BTD, stats, iterations=self.sinkhorn_iterations, eps=self.epsilon)
+
+
+class DepthWeights(nnx.Module):
+    """One layer's DenseFormer weights over `n_slots` layer outputs; the NNX counterpart of
+    deltares.nn.mixing.DepthWeights, called the same way."""
+
+    def __init__(self, n_slots: int, *, param_dtype=jnp.float32):
+        self.n_slots = n_slots
+        _params(self, {"weights": ((n_slots,), 0.0, (None,))}, param_dtype, None)
+
+    def __call__(self, sources, layer, valid_S, stats: bool = False):
+        return mixing.depth_average(self.weights[...], sources, layer, valid_S, stats)
+
+
+def mixer_factory(mode: str, d_model: int, n_layers: int, *, streams: int = 4, dynamic: bool = True,
+                  sinkhorn_iterations: int = 20, epsilon: float = routing.NORM_EPS, param_dtype=jnp.float32):
+    """`routers(k, n, rngs)` for a `StackLayer` of mixing `mode`: sublayer k's `HyperConnection` (hyper,
+    mhc; `rngs` draws mHC's phi) or, the layer's last, its `DepthWeights` (denseformer), else None
+    (deltares.nn.config.has_router)."""
+
+    def routers(k: int, n: int, rngs: nnx.Rngs | None = None):
+        if not has_router(mode, k, n):
+            return None
+        if mode in HYPER_MODES:
+            return HyperConnection(d_model, streams, mhc=mode == "mhc", dynamic=dynamic,
+                                   sinkhorn_iterations=sinkhorn_iterations, epsilon=epsilon, param_dtype=param_dtype,
+                                   rngs=rngs)
+        return DepthWeights(n_layers + 1, param_dtype=param_dtype)
+
+    return routers
+
+
 def _is_factory(hook) -> bool:
     """A stream hook given as a factory: a callable with a parameter named `rngs` (or an nnx.Module class)."""
     if isinstance(hook, type):
@@ -115,6 +171,8 @@ class StackLayer(nnx.Module):
         epsilon: the routers' key-norm epsilon.
         router_kw: the routers' other arguments (impl, interpret, dtype, param_dtype, query_init, gain_init).
         hooks: the stream hook module of each sublayer, or None.
+        routers: `routers(k, n)` makes sublayer k's router (of a layer of n) or None, in place of a
+            `DepthRouter` each where `routed` (the mixing modes' mixers, `mixer_factory`).
 
     Example:
         ```python
@@ -128,13 +186,17 @@ class StackLayer(nnx.Module):
     """
 
     def __init__(self, sublayers, names, d_model: int, routed: bool, gate: bool, null_source: bool, epsilon: float,
-                 router_kw: dict | None = None, hooks=None):
+                 router_kw: dict | None = None, hooks=None, routers=None):
         self.names = tuple(names)
         hooks = hooks if hooks is not None else [None] * len(self.names)
-        for name, module, hook in zip(self.names, sublayers, hooks):
+        for k, (name, module, hook) in enumerate(zip(self.names, sublayers, hooks)):
             setattr(self, name, module)
-            setattr(self, f"{name}_router", DepthRouter(d_model, gate=gate, null_source=null_source, epsilon=epsilon,
-                                                         **(router_kw or {})) if routed else None)
+            if routers is not None:
+                router = routers(k, len(self.names))
+            else:
+                router = (DepthRouter(d_model, gate=gate, null_source=null_source, epsilon=epsilon,
+                                      **(router_kw or {})) if routed else None)
+            setattr(self, f"{name}_router", router)
             setattr(self, f"{name}_hook", hook)
 
     def pairs(self, args, kwargs=None, index=None, call_rngs=None, first_position: int = 0, hook_function=None):
@@ -388,7 +450,8 @@ class DepthStack(nnx.Module):
                  scan_segments: int = 1, impl: str = "xla", interpret: bool = False, dtype=None,
                  param_dtype=jnp.float32, query_init=nnx.initializers.zeros, gain_init=nnx.initializers.ones,
                  stats: bool = False, pattern=None, stream_hook=None, layer_axis: str | None = "layers",
-                 rngs: nnx.Rngs):
+                 streams: int = 4, dynamic: bool = True, sinkhorn_iterations: int = 20, dilation: int = 1,
+                 period: int = 1, rngs: nnx.Rngs):
         from deltares.nn.routed import DepthRouting  # noqa: PLC0415 - routed imports this module's router
 
         if mode not in MODES:
@@ -404,6 +467,10 @@ class DepthStack(nnx.Module):
                              f"every layer), or a function of the stream; got {stream_hook!r}")
         k = len(kinds)
         routed = mode != "baseline"
+        routers = None
+        if mode in MIXING_MODES:
+            routers = mixer_factory(mode, d_model, n_layers, streams=streams, dynamic=dynamic,
+                                    sinkhorn_iterations=sinkhorn_iterations, epsilon=epsilon, param_dtype=param_dtype)
         router_kw = dict(impl=impl, interpret=interpret, dtype=dtype, param_dtype=param_dtype, query_init=query_init,
                          gain_init=gain_init)
         counts = {}
@@ -415,7 +482,8 @@ class DepthStack(nnx.Module):
             hooks = None
             if stream_hook is not None and _is_factory(stream_hook):
                 hooks = [stream_hook(rngs=rngs) for _ in layer_names]
-            return StackLayer(made, layer_names, d_model, routed, gate, null_source, epsilon, router_kw, hooks)
+            return StackLayer(made, layer_names, d_model, routed, gate, null_source, epsilon, router_kw, hooks,
+                              None if routers is None else (lambda k, n: routers(k, n, rngs)))
 
         def make_unit(n, rngs):
             return make_layer(0, rngs) if k == 1 else StackUnit([make_layer(i, rngs) for i in range(n)])
@@ -432,7 +500,9 @@ class DepthStack(nnx.Module):
         self.remainder = make_unit(remaining, rngs) if remaining else None
         self.routing = DepthRouting(mode, n_layers, block_layers, include_partial, epsilon, axis_names,
                                     group_layers=max(1, group_layers), scan_segments=scan_segments,
-                                    sublayers=tuple(counts[layer % k] for layer in range(n_layers)), unit_layers=k)
+                                    sublayers=tuple(counts[layer % k] for layer in range(n_layers)), unit_layers=k,
+                                    streams=streams, dynamic=dynamic, sinkhorn_iterations=sinkhorn_iterations,
+                                    dilation=dilation, period=period)
         if group_layers > 0 and routed and not self.routing.plan.groups_tile_blocks:
             raise ValueError(f"two-phase routing (group_layers={group_layers}) in mode {mode!r} needs blocks of whole "
                              f"pattern repeats: block_layers={block_layers} is not a multiple of the pattern's {k} layers")

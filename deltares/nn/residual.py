@@ -31,6 +31,11 @@ for all the group's sublayers in one pass, and the few written inside the group
 the partial, and of the whole units in the per-sublayer modes); a remainder unit routes
 one pass per sublayer.
 
+The other depth-mixing families (deltares.nn.mixing) use the same table for their statistics: in
+`hyper` and `mhc` the slots are the R parallel streams, every sublayer reading all of them; in
+`denseformer` slot l holds layer l's output X_l (slot 0 the embedding), and the last sublayer of
+each averaging layer reads the outputs its average weighs.
+
 The store-once scan runs in segments (`ResidualPlan.segments`): consecutive units whose
 routers read a static prefix of the buffer, the slots any of them reads. A scanned router
 then reads the slots written so far (up to a segment's few), not all n_slots.
@@ -45,7 +50,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from deltares.nn.config import BLOCK_MODES, MODES, REPLACEMENT_MODES
+from deltares.nn.config import BLOCK_MODES, HYPER_MODES, MODES, REPLACEMENT_MODES, ROUTING_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +233,15 @@ class ResidualPlan:
 
     @property
     def uses_sources(self) -> bool:
-        return self.mode != "baseline"
+        """Whether the sublayers route over the source buffer (the four routing modes)."""
+        return self.mode in ROUTING_MODES and self.mode != "baseline"
+
+    @property
+    def layer_last(self) -> np.ndarray:
+        """[J] whether sublayer j is its layer's last."""
+        last = np.zeros(self.n_sublayers, bool)
+        last[self.layer_first[1:] - 1] = True
+        return last
 
     @property
     def replaces_stream(self) -> bool:
@@ -255,13 +268,14 @@ def n_blocks(n_layers: int, block_layers: int) -> int:
 
 def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: bool = True,
               group_layers: int = 1, scan_segments: int = 1, layer_sublayers=None,
-              unit_layers: int = 1) -> ResidualPlan:
+              unit_layers: int = 1, streams: int = 4, dilation: int = 1, period: int = 1) -> ResidualPlan:
     """The source table of docs/explanations/modes.md for one mode and depth. `layer_sublayers`:
     the sublayers of each layer (default 2 each: attention, MLP); `unit_layers`: layers per scanned
     unit (module doc). Routing groups, in units: the largest divisor of the block's units (block
     modes: groups tile blocks, so a group's earlier sources are the completed blocks and its intra
     source the partial) or of the whole units (per-sublayer modes) up to `group_layers`; only a block
-    mode's short last block may leave a shorter last group."""
+    mode's short last block may leave a shorter last group. `streams`: hyper and mhc's R;
+    `dilation`, `period`: denseformer's (`deltares.nn.mixing.dwa_tables`)."""
     if mode not in MODES:
         raise ValueError(f"unknown residual mode {mode!r}; allowed: {', '.join(MODES)}")
     layer_sublayers = (2,) * n_layers if layer_sublayers is None else tuple(int(n) for n in layer_sublayers)
@@ -269,7 +283,20 @@ def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: 
         raise ValueError(f"layer_sublayers={layer_sublayers!r}: one count of at least 1 per layer ({n_layers})")
     layer_of = np.repeat(np.arange(n_layers), layer_sublayers)
     n_sub = len(layer_of)
-    if mode == "baseline":
+    if mode in HYPER_MODES:
+        n_slots = streams
+        read = np.ones((n_sub, n_slots), bool)
+        write = np.zeros(n_sub, np.int32)
+    elif mode == "denseformer":
+        from deltares.nn.mixing import dwa_tables  # noqa: PLC0415 - mixing imports the routing math, not plans
+
+        n_slots = n_layers + 1
+        valid, applies = dwa_tables(n_layers, dilation, period)
+        last = np.r_[np.cumsum(layer_sublayers)] - 1
+        read = np.zeros((n_sub, n_slots), bool)
+        read[last] = valid & applies[:, None]
+        write = (layer_of + 1).astype(np.int32)
+    elif mode == "baseline":
         n_slots = 1
         read = np.zeros((n_sub, n_slots), bool)
         write = np.zeros(n_sub, np.int32)

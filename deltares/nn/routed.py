@@ -30,15 +30,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from deltares.nn import mixing
 from deltares.nn import routing as routing_math
-from deltares.nn.axes import check_axis_names, use_axis_names
-from deltares.nn.config import BLOCK_MODES, MODES, Mode
+from deltares.nn.axes import SOURCES_AXES, STREAM_AXES, check_axis_names, constrain, use_axis_names
+from deltares.nn.config import BLOCK_MODES, HYPER_MODES, MIXING_MODES, MODES, Mode, has_router
 from deltares.nn.depth import (
-    DepthState, Outputs, Prefix, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input, sublayer_prefix,
+    DepthState, Outputs, Prefix, select, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input,
+    sublayer_prefix,
 )
 from deltares.nn.layers import DepthRouter, apply_router, init_router_params
-from deltares.nn.residual import ResidualPlan, make_plan
+from deltares.nn.residual import ResidualPlan, make_plan, row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,17 @@ class DepthRouting:
         scan_segments: segments of the store-once pass (the same math).
         sublayers: the sublayers of every layer (2: attention, MLP), or one count per layer.
         unit_layers: the layers a scanned stack runs as one unit (a layer pattern's length).
+        streams: `hyper`, `mhc`: the parallel residual streams R.
+        dynamic: `hyper`: input-dependent weights beside the static ones.
+        sinkhorn_iterations: `mhc`: Sinkhorn-Knopp iterations.
+        dilation: `denseformer`: layer l averages the outputs X_j with l - j a multiple of this.
+        period: `denseformer`: only every period-th layer averages.
+
+    In `hyper` and `mhc` the state holds R streams and each sublayer's router is its
+    `deltares.nn.mixing.HyperConnection` (NNX: `deltares.nn.nnx.HyperConnection`), passed to `add` as
+    well; in `denseformer` the router of each layer's last sublayer is its
+    `deltares.nn.mixing.DepthWeights` (NNX: `deltares.nn.nnx.DepthWeights`), passed to `add`, the
+    others None.
 
     Example:
         ```python
@@ -99,6 +113,11 @@ class DepthRouting:
     scan_segments: int = 1
     sublayers: Any = 2
     unit_layers: int = 1
+    streams: int = 4
+    dynamic: bool = True
+    sinkhorn_iterations: int = 20
+    dilation: int = 1
+    period: int = 1
 
     plan: ResidualPlan = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -125,9 +144,13 @@ class DepthRouting:
         object.__setattr__(self, "sublayers", counts[0] if len(set(counts)) == 1 else tuple(counts))
         if not isinstance(self.unit_layers, int) or not 1 <= self.unit_layers <= self.n_layers:
             raise ValueError(f"unit_layers={self.unit_layers!r} must be an integer in [1, n_layers={self.n_layers}]")
+        for name in ("streams", "sinkhorn_iterations", "dilation", "period"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial,
                                                    self.group_layers, self.scan_segments, tuple(counts),
-                                                   self.unit_layers))
+                                                   self.unit_layers, self.streams, self.dilation, self.period))
 
     @classmethod
     def from_config(cls, model_cfg) -> DepthRouting:
@@ -140,12 +163,33 @@ class DepthRouting:
         res = model_cfg.residual
         block_layers = res.block_layers if res.mode in BLOCK_MODES else 1  # one field for every mode of an experiment
         return cls(res.mode, model_cfg.n_layers, block_layers, res.include_partial, model_cfg.norm_eps,
-                   group_layers=max(1, res.group_layers), scan_segments=res.scan_segments)
+                   group_layers=max(1, res.group_layers), scan_segments=res.scan_segments, streams=res.streams,
+                   dynamic=res.dynamic, sinkhorn_iterations=res.sinkhorn_iterations, dilation=res.dilation,
+                   period=res.period)
 
     @property
     def uses_routers(self) -> bool:
         """False in baseline: no router is called and none needs parameters."""
         return self.plan.uses_sources
+
+    @property
+    def mixes(self) -> bool:
+        """The other depth-mixing families (`hyper`, `mhc`, `denseformer`): their routers are mixers."""
+        return self.mode in MIXING_MODES
+
+    def linen_router(self, k: int, n: int, name: str, **router_kw):
+        """Sublayer k's router (of a layer of n) as a linen module named `name`, or None
+        (deltares.nn.config.has_router): a `DepthRouter` with `router_kw` (gate, null_source, impl, interpret, dtype,
+        param_dtype, query_init, gain_init), or the mixing modes' `HyperConnection` or `DepthWeights`
+        (param_dtype the only keyword they take)."""
+        if not has_router(self.mode, k, n):
+            return None
+        if self.mode in HYPER_MODES:
+            return mixing.HyperConnection(self.streams, self.mode == "mhc", self.dynamic, self.sinkhorn_iterations,
+                                          self.epsilon, router_kw.get("param_dtype", jnp.float32), name=name)
+        if self.mixes:
+            return mixing.DepthWeights(self.plan.n_slots, router_kw.get("param_dtype", jnp.float32), name=name)
+        return DepthRouter(epsilon=self.epsilon, name=name, **router_kw)
 
     @property
     def uses_final_router(self) -> bool:
@@ -189,28 +233,76 @@ class DepthRouting:
     def _input(self, state: DepthState, j, router, final: bool = False, prefix: Prefix | None = None):
         """(x_j, weights or None, whether j routes, the state with the sources a kernel passed through):
         `sublayer_input` under this routing's names."""
+        self._check_index(j)
+        if self.mode in HYPER_MODES:
+            return self._mixer(router, j)(state.streams_RBTD, j), None, jnp.asarray(True), state
+        if self.mixes:  # denseformer: the stream, averaged after each layer (`add`)
+            return state.h_BTD, None, jnp.asarray(False), state
         if self.uses_routers and router is None:
             raise ValueError(f"mode {self.mode!r} routes sublayer inputs: pass a router")
-        self._check_index(j)
         router = self._callable(router)
         with self.names():
             return sublayer_input(self.plan, state, j, router, _has_null(router), self.epsilon, final, prefix)
 
-    def add(self, state: DepthState, j, v_BTD) -> DepthState:
+    def add(self, state: DepthState, j, v_BTD, router=None) -> DepthState:
         """The depth state after sublayer j: its delta added to the stream and to its source slot.
 
         Args:
             state: the depth state before sublayer j.
             j: the sublayer's index.
             v_BTD: its delta [B, T, D] (ValueError for another shape).
+            router: the mixing modes' mixer of sublayer j (`hyper`, `mhc`: every sublayer's, which writes
+                the delta into the streams; `denseformer`: the layer's last sublayer's, which averages
+                the layer outputs; j must then be an int). The routing modes take none.
         """
         self._check_index(j)
-        if jnp.shape(v_BTD) != jnp.shape(state.h_BTD):
+        stream = state.h_BTD if state.streams_RBTD is None else state.streams_RBTD[0]
+        if jnp.shape(v_BTD) != jnp.shape(stream):
             which = f"sublayer {j}" if isinstance(j, int) else "a sublayer of a scanned layer"
             raise ValueError(f"{which} returned a delta of shape {jnp.shape(v_BTD)}; the stream is "
-                             f"{jnp.shape(state.h_BTD)} [B, T, D]: a sublayer maps [B, T, D] to [B, T, D]")
+                             f"{jnp.shape(stream)} [B, T, D]: a sublayer maps [B, T, D] to [B, T, D]")
+        v_BTD = v_BTD.astype(stream.dtype)
         with self.names():
-            return add_delta(self.plan, state, j, v_BTD.astype(state.h_BTD.dtype), self.epsilon)
+            if self.mode in HYPER_MODES:
+                return state._replace(streams_RBTD=self._mixer(router, j)(state.streams_RBTD, j, v_BTD))
+            if self.mixes:
+                if not isinstance(j, int):
+                    raise TypeError("denseformer's add needs a Python int sublayer index; a scanned layer runs "
+                                    "through DepthRouting.layer")
+                layer = int(np.searchsorted(self.plan.layer_first, j, side="right")) - 1
+                return self._average(state, v_BTD, layer, self.plan.layer_last[j], router)
+            return add_delta(self.plan, state, j, v_BTD, self.epsilon)
+
+    def _mixer(self, router, j):
+        if router is None:
+            which = f"sublayer {j}" if isinstance(j, int) else "each sublayer"
+            raise ValueError(f"mode {self.mode!r} mixes the streams through {which}'s hyper-connection: pass it as "
+                             f"the router")
+        return router
+
+    def _average(self, state: DepthState, v_BTD, layer, closes: bool, router=None, stats: bool = False):
+        """denseformer: the stream plus the delta; where the sublayer `closes` its layer, the layer's
+        output X_(layer+1) = that stream goes into its slot and, in the averaging layers, the stream
+        becomes the depth-weighted average of the outputs (`router`: the layer's DepthWeights).
+        `layer` may be traced (a scanned layer). Returns the state, with `stats` (state, statistics)."""
+        h_BTD = constrain(state.h_BTD + v_BTD, STREAM_AXES)
+        if not closes:
+            return DepthState(h_BTD, state.sources_SBTD, None)
+        if router is None:
+            raise ValueError(f"mode 'denseformer' averages after each layer: pass layer {layer}'s last sublayer's "
+                             f"router (DepthWeights)")
+        valid_LS, applies_L = mixing.dwa_tables(self.n_layers, self.dilation, self.period)
+        if isinstance(state.sources_SBTD, tuple):  # unrolled: layer is known
+            sources = state.sources_SBTD + (h_BTD,)
+            averaged = router(sources, layer, valid_LS[layer][: len(sources)])
+            out = DepthState(averaged if applies_L[layer] else h_BTD, sources, None)
+        else:
+            sources = constrain(state.sources_SBTD.at[layer + 1].set(h_BTD), SOURCES_AXES)
+            averaged = router(sources, layer, row(valid_LS, layer))
+            out = DepthState(select(row(applies_L, layer), averaged, h_BTD), sources, None)
+        if not stats:
+            return out
+        return out, router(sources, layer, row(valid_LS, layer), stats=True)
 
     def output(self, state: DepthState, final_router=None):
         """The stack's output [B, T, D] before your final norm.
@@ -264,6 +356,11 @@ class DepthRouting:
         def index(k):
             return (n * layer if first is None else first) + k
 
+        if self.mixes:
+            if only is not None or prefix is not None:
+                raise ValueError(f"mode {self.mode!r} has no store-once pass nor two-phase routing (only=, prefix=)")
+            return self._mixed_layer(state, sublayers, index, stats)
+
         def delta(k, state, final=False):
             router, fn, hook = (tuple(sublayers[k]) + (None,))[:3]
             x_BTD, weights_SBT, routed, state = self._input(state, index(k), router, final,
@@ -271,8 +368,7 @@ class DepthRouting:
             stats_k = None
             if stats:
                 stats_k = routing_stats(weights_SBT, routed) if self.uses_routers else empty_stats(self.plan.n_slots)
-            out = fn(x_BTD)
-            out, output = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+            out, output = _split_output(fn(x_BTD))
             v_BTD = out.astype(state.h_BTD.dtype)
             if hook is not None:  # the stream the next sublayer sees: its slot holds what was added
                 v_BTD = hook(state.h_BTD + v_BTD).astype(state.h_BTD.dtype) - state.h_BTD
@@ -286,6 +382,47 @@ class DepthRouting:
         for k in range(n):
             v_BTD, stats_k, output, state = delta(k, state)  # the state with any sources the router passed through
             state = self.add(state, index(k), v_BTD)
+            per_sublayer.append(stats_k)
+            outputs.append(output)
+        stats_out = jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None
+        if any(o is not None for o in outputs):
+            return state, Outputs(tuple(outputs), stats_out)
+        return state, stats_out
+
+    def _mixed_layer(self, state: DepthState, sublayers: Sequence[tuple], index, stats: bool):
+        """`layer` in the mixing modes: each sublayer's input read from the streams (hyper, mhc) or the
+        stream (denseformer), its delta written back, and in denseformer the layer's average after its
+        last sublayer."""
+        n, plan = len(sublayers), self.plan
+        per_sublayer, outputs = [], []
+        j0 = index(0)
+        layer = (int(np.searchsorted(plan.layer_first, j0, side="right")) - 1 if isinstance(j0, int) else
+                 jnp.searchsorted(jnp.asarray(plan.layer_first), j0, side="right") - 1)
+        for k in range(n):
+            router, fn, hook = (tuple(sublayers[k]) + (None,))[:3]
+            j = index(k)
+            stats_k = empty_stats(plan.n_slots) if stats else None
+            with self.names():
+                if self.mode in HYPER_MODES:
+                    if hook is not None:
+                        raise ValueError(f"mode {self.mode!r} carries {self.streams} streams: stream hooks are not "
+                                         f"available")
+                    mixer, H_RBTD = self._mixer(router, j), state.streams_RBTD
+                    if stats:
+                        stats_k = mixer(H_RBTD, j, stats=True)
+                    out, output = _split_output(fn(mixer(H_RBTD, j)))
+                    state = state._replace(streams_RBTD=mixer(H_RBTD, j, out.astype(H_RBTD.dtype)))
+                else:
+                    out, output = _split_output(fn(state.h_BTD))
+                    v_BTD = out.astype(state.h_BTD.dtype)
+                    if hook is not None:
+                        v_BTD = hook(state.h_BTD + v_BTD).astype(state.h_BTD.dtype) - state.h_BTD
+                    closes = k == n - 1
+                    state = self._average(state, v_BTD, layer, closes, router, stats and closes)
+                    if stats and closes:
+                        state, stats_k = state
+                        applies = row(mixing.dwa_tables(self.n_layers, self.dilation, self.period)[1], layer)
+                        stats_k = jax.tree.map(lambda a: a * jnp.asarray(applies, a.dtype), stats_k)
             per_sublayer.append(stats_k)
             outputs.append(output)
         stats_out = jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None
@@ -333,6 +470,11 @@ class _ParamRouter:
 
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.epsilon, prefix=prefix)
+
+
+def _split_output(out):
+    """A sublayer's result as (delta, output or None)."""
+    return out if isinstance(out, tuple) and len(out) == 2 else (out, None)
 
 
 def routing_stats(weights_SBT, routed):

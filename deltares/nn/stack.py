@@ -230,12 +230,11 @@ class RoutedLayer(nn.Module):
         k_layers = self.routing.unit_layers
         index = unit if k_layers == 1 else k_layers * unit + self.position  # the layer's index in the stack
         pairs = []
-        for name, body, hook in zip(names, bodies, hooks):
-            router = None
-            if self.routing.uses_routers:
-                router = DepthRouter(self.gate, self.null_source, impl=self.impl, interpret=self.interpret,
-                                     epsilon=self.routing.epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
-                                     query_init=self.query_init, gain_init=self.gain_init, name=f"{name}_router")
+        for k, (name, body, hook) in enumerate(zip(names, bodies, hooks)):
+            router = self.routing.linen_router(k, len(names), f"{name}_router", gate=self.gate,
+                                               null_source=self.null_source, impl=self.impl, interpret=self.interpret,
+                                               dtype=self.dtype, param_dtype=self.param_dtype,
+                                               query_init=self.query_init, gain_init=self.gain_init)
             kw = {k: v for k, v in kwargs.items() if takes_keyword(body, k)}
             if takes_keyword(body, LAYER_INDEX, strict=True):
                 kw[LAYER_INDEX] = jnp.asarray(index, jnp.int32)
@@ -635,6 +634,17 @@ class DepthStack(nn.Module):
             and by name `layer_index` and `sublayer` (the sublayer's name).
         layer_axis: the logical axis name of the stacked axis in each parameter's partitioning
             metadata (the routers': (`layer_axis`, "embed")); None: none added.
+        streams: `hyper`, `mhc`: the parallel residual streams R (deltares.nn.mixing).
+        dynamic: `hyper`: input-dependent weights beside the static ones.
+        sinkhorn_iterations: `mhc`: Sinkhorn-Knopp iterations.
+        dilation: `denseformer`: layer l averages the outputs X_j with l - j a multiple of this.
+        period: `denseformer`: only every period-th layer averages.
+
+    In the mixing modes a sublayer's `name_router` holds its mixer: `hyper`, `mhc` a
+    `deltares.nn.mixing.HyperConnection` in every sublayer; `denseformer` a `DepthWeights` in each
+    layer's last sublayer. They take no store-once pass (the scan carries the R streams, or the
+    layer outputs' buffer: unroll denseformer's layers, `scan=False`, to store each output once), and
+    `hyper` and `mhc` no stream hook.
 
     Example:
         ```python
@@ -702,6 +712,11 @@ class DepthStack(nn.Module):
     pattern: Any = None
     stream_hook: Any = None
     layer_axis: str | None = "layers"
+    streams: int = 4
+    dynamic: bool = True
+    sinkhorn_iterations: int = 20
+    dilation: int = 1
+    period: int = 1
 
     def pattern_layers(self) -> tuple:
         """One repeat of the pattern: its layers, each a tuple of (sublayer name, factory) pairs."""
@@ -721,7 +736,8 @@ class DepthStack(nn.Module):
         return DepthRouting(self.mode, self.n_layers, self.block_layers, self.include_partial, self.epsilon,
                             None if self.axis_names is None else dict(self.axis_names),
                             group_layers=max(1, self.group_layers), scan_segments=self.scan_segments,
-                            sublayers=counts, unit_layers=k)
+                            sublayers=counts, unit_layers=k, streams=self.streams, dynamic=self.dynamic,
+                            sinkhorn_iterations=self.sinkhorn_iterations, dilation=self.dilation, period=self.period)
 
     def _queries(self, params, index=None):
         """The routers' queries and gains, each [P, D], of a unit's parameters (two-phase routing); with

@@ -18,7 +18,8 @@ from deltares.nn.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALES = ["debug", "tiny", "s220m", "s533m", "s1044m", "qwen3_0p6b", "s7b6"]
-MODES = ["baseline", "full_attnres", "block_attnres", "delta", "delta_block"]
+MODES = ["baseline", "full_attnres", "block_attnres", "delta", "delta_block", "hyper", "mhc", "denseformer"]
+ROUTING_MODES = MODES[:5]
 
 # docs/guides/training.md, "Experiments and variants": (d, L, heads, kv, head_dim, ffn, params in millions;
 # vocab 151936, tied).
@@ -57,7 +58,14 @@ def expected_count(m, mode):
     total = V * d + L * per_layer + d  # embedding (tied head) and final norm
     if not m.tie_embeddings:
         total += V * d
-    if mode != "baseline":
+    n = m.residual.streams
+    if mode == "hyper":  # per sublayer: static read, write [n] and mixing [n, n]; dynamic W [d], [d, n], [d], 2 scales
+        total += 2 * L * (2 * n + n * n + (d * (n + 2) + 2 if m.residual.dynamic else 0))
+    elif mode == "mhc":  # per sublayer: phi [n d, n (n + 2)], 3 scales, biases [n (n + 2)]
+        total += 2 * L * (n * d * n * (n + 2) + 3 + n * (n + 2))
+    elif mode == "denseformer":  # per layer: weights over the L + 1 layer outputs
+        total += L * (L + 1)
+    elif mode != "baseline":
         total += L * 4 * d  # (w, g) per sublayer
     if mode in ("full_attnres", "block_attnres"):
         total += 2 * d  # final router
@@ -79,7 +87,7 @@ def test_every_experiment_builds(scale, mode):
 @pytest.mark.parametrize("scale", sorted(DESIGN_TABLE))
 def test_paper_scales_match_design_table(scale):
     d, L, N, K, H, F, millions = DESIGN_TABLE[scale]
-    for mode in MODES:
+    for mode in ROUTING_MODES:  # the mixing modes' parameters: test_every_experiment_builds
         m = load(scale).get_config(mode).model
         assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff) == (d, L, N, K, H, F)
         assert m.vocab_size == 151936 and m.tie_embeddings

@@ -298,7 +298,6 @@ def test_a_loop_of_your_own_equals_the_stack(mode):
         def __call__(self, e):
             state = routing.start(e)
             for j in range(6):
-                name = NAMES[j % 2]
                 router = routing.linen_router(j % 2, 2, f"r{j}")
                 x = routing.input(state, j, router)
                 state = routing.add(state, j, TanhDense(name=f"s{j}")(x), router)

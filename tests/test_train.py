@@ -87,6 +87,27 @@ def test_debug_run_on_builtin_corpus_learns_and_logs(tmp_path):
     assert math.isfinite(result["unigram_ppl"]) and 1 < result["unigram_ppl"] < 257
 
 
+@pytest.mark.parametrize("mode", ["hyper", "mhc", "denseformer"])
+def test_the_mixing_modes_train_and_log_their_weights(mode, builtin_dataset, tmp_path):
+    """A few steps of each mixing mode on the debug config lower the loss, and its weights by depth are
+    logged as the routing modes' are (hyper, mhc: the 4 streams' read weights; denseformer: the 4 layer
+    outputs' average weights, on each layer's last sublayer)."""
+    cfg = debug_config(mode)
+    cfg.data.dataset = str(builtin_dataset)
+    cfg.train.update(steps=12, log_every=3, eval_every=12, stats_every=12, checkpoint_every=12)
+    result = train(cfg, str(tmp_path))
+    records = read_metrics(str(tmp_path))
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3, losses
+    stats = records[-1]
+    assert len(stats["routing_entropy"]) == 6 and math.isfinite(result["val_ppl"])
+    entropies = np.asarray(stats["routing_entropy"])
+    if mode == "denseformer":  # only the layers' last sublayers average
+        assert (entropies[0::2] == 0).all() and (entropies[1::2] > 0).all(), entropies
+    else:
+        assert (entropies > 0).all(), entropies
+
+
 def test_logged_throughput_is_the_rate_around_the_loop(builtin_dataset, tmp_path):
     """`tokens_per_s` (and so `step_time_s` and `mfu`) is timed when the window's steps have run, not
     when they were dispatched: within 1.5x of the rate between two records' writes (it was 400x off)."""

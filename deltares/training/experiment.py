@@ -12,7 +12,7 @@ from ml_collections.config_dict import placeholder
 
 from deltares.common.domains import AT_LEAST_1, MESH_AXIS, NON_NEGATIVE, POSITIVE, Domain
 from deltares.nn.config import (
-    BLOCK_MODES, MODEL_FIELDS, MODES, Field, build_config, check_fields, describe, model_config, validate_model_config,
+    MODEL_FIELDS, MODES, Field, build_config, check_fields, describe, model_config, validate_model_config,
     with_defaults,
 )
 from deltares.training.optim import DECAY_MASKS
@@ -22,6 +22,11 @@ VARIANT_KEYS = {
     "include_partial": lambda s: _parse_bool("include_partial", s),
     "gate": lambda s: _parse_bool("gate", s),
     "null_source": lambda s: _parse_bool("null_source", s),
+    "streams": int,
+    "dynamic": lambda s: _parse_bool("dynamic", s),
+    "sinkhorn_iterations": int,
+    "dilation": int,
+    "period": int,
 }
 
 
@@ -202,11 +207,15 @@ def experiment(
     """The experiment config of one scale: `config.model` from `model` and the variant in `arg`,
     training fields from `base_config` updated by `recipe` ({'data': {...}, 'train': {...}, ...}).
     `group_layers`: the default `residual.group_layers` of the per-sublayer modes (`delta`,
-    `full_attnres`); the block modes and baseline keep 0."""
+    `full_attnres`); the block modes, baseline and the mixing modes keep 0. `denseformer` unrolls its
+    layers: under a layer scan its buffer of layer outputs would be stored once per layer for the
+    backward pass (memory quadratic in depth), unrolled each output once."""
     variant = parse_variant(arg)
     residual = {"block_layers": block_layers}  # fields the variant leaves out: the schema's defaults
-    if variant["mode"] not in BLOCK_MODES + ("baseline",):
+    if variant["mode"] in ("delta", "full_attnres"):
         residual["group_layers"] = group_layers
+    if variant["mode"] == "denseformer":
+        model = {**model, "scan_layers": False}
     residual.update(variant)
     cfg = base_config()
     cfg.scale = scale

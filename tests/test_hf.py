@@ -20,7 +20,7 @@ import pytest
 import safetensors.numpy
 
 from deltares.interop import hf
-from deltares.nn.config import MODES, model_config
+from deltares.nn.config import ROUTING_MODES, model_config
 from deltares.nn.losses import lm_loss
 from deltares.nn.model import Transformer
 from deltares.interop.safetensors_io import SafetensorsFile, write
@@ -100,6 +100,34 @@ def test_conversion_is_exact_and_routing_learns(mode):
     assert sum(steps["gate"] == 1 for steps in by_router.values()) >= len(by_router) - 1  # at most the last waits
 
 
+@pytest.mark.parametrize("residual", [{"mode": "hyper"}, {"mode": "hyper", "dynamic": False, "streams": 2},
+                                      {"mode": "denseformer", "dilation": 2}])
+def test_conversion_into_hyper_connections_and_denseformer_is_exact(residual):
+    """Their papers' initialisations are the plain residual: a converted Qwen3 computes the pretrained function
+    (hyper-connections up to the final norm's epsilon: n equal streams sum to n h), and the mixers learn."""
+    cfg, params = hf.from_hf(TINY, residual=residual, dtype="float32", scan_layers=False)
+    assert cfg.residual.mode == residual["mode"] and not cfg.residual.gate
+    for key in ("streams", "dynamic", "dilation"):
+        if key in residual:
+            assert cfg.residual[key] == residual[key]
+    tokens, want = reference(TINY)
+    np.testing.assert_allclose(logits_of(cfg, params, tokens), want, rtol=0, atol=1e-4)
+    base_cfg, base_params = hf.from_hf(TINY, dtype="float32", scan_layers=False)
+    np.testing.assert_allclose(logits_of(cfg, params, tokens), logits_of(base_cfg, base_params, tokens), rtol=0,
+                               atol=1e-5)
+    _, _, routing = _routing_grads(_grad_fn(cfg), params, tokens)
+    assert routing and max(routing.values()) > 0
+
+
+def test_mhc_conversion_and_mixing_mode_exports_are_refused(tmp_path):
+    with pytest.raises(hf.HFError, match="not start as a plain residual"):
+        hf.from_hf(TINY, residual="mhc", dtype="float32")
+    cfg, params = hf.from_hf(TINY, residual="denseformer", dtype="float32", scan_layers=False)
+    with pytest.raises(hf.HFError, match="no Hugging Face model"):
+        hf.to_hf(cfg, params, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_null_source_variant_is_the_papers_approximate_identity():
     cfg, params = hf.from_hf(TINY, residual={"mode": "delta", "null_source": True}, dtype="float32", scan_layers=False)
     assert cfg.residual.null_source and not cfg.residual.gate
@@ -128,7 +156,7 @@ def _small(mode, scan, **extra):
                         residual=dict(mode=mode, block_layers=2, **extra))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ROUTING_MODES)
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_to_hf_then_from_hf_is_identity(tmp_path, mode, scan):
     extra = {"gate": True} if mode == "delta" else {"null_source": True} if mode == "delta_block" else {}

@@ -54,8 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltares.nn.config import ADDITIVE_MODES, MODES, dtype_of, model_config, validate_model_config
-from deltares.nn.layers import DepthRouter
+from deltares.nn.config import (
+    ADDITIVE_MODES, MIXING_MODES, MODES, ROUTING_MODES, dtype_of, has_router, model_config, validate_model_config,
+)
+from deltares.nn.depth import init_depth_state
+from deltares.nn.routed import DepthRouting
 from deltares.nn.model import Transformer
 from deltares.interop.safetensors_io import SafetensorsError, SafetensorsFile, write
 from deltares.training.steps import abstract_params
@@ -71,6 +74,9 @@ AUTO_MAP = {
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 RESIDUAL_KEYS = ("mode", "block_layers", "include_partial", "gate", "null_source")
+MIXING_KEYS = ("streams", "dynamic", "dilation", "period")  # conversion into hyper or denseformer
+EXACT_MIXING = ("hyper", "denseformer")  # the mixing modes that start as the plain residual
+MIXER_PARAMS = ("read", "mix", "write", "w_read", "w_mix", "w_write", "s_alpha", "s_beta", "weights")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry; recomputed here
 
 # (parameter path inside a layer, Hugging Face name inside `model.layers.{i}.`, layout)
@@ -95,6 +101,8 @@ LAYER_TENSORS = (
         ("gate", "res_gate", "copy"),
         ("null_source", "null_source", "copy"),
     )
+) + tuple(  # hyper, denseformer: created when converting (never stored: deltares.interop.hf exports routing modes)
+    ((f"{sub}_router", leaf), f"{sub}_mix.{leaf}", "copy") for sub in ("attn", "mlp") for leaf in MIXER_PARAMS
 )
 TOP_TENSORS = (
     (("embed", "embedding"), "model.embed_tokens.weight", "copy"),
@@ -226,6 +234,11 @@ def _target_residual(stored: dict, residual, n_layers: int) -> dict:
     if residual is None:
         return stored
     want = {"mode": residual} if isinstance(residual, str) else dict(residual)
+    mode = want.get("mode", "baseline")
+    if mode in MIXING_MODES and mode not in EXACT_MIXING:
+        raise HFError(f"mode {mode!r} does not start as a plain residual (its paper's initialisation mixes the streams), "
+                      f"so a converted checkpoint would not compute the pretrained function; convert into "
+                      f"{', '.join(EXACT_MIXING)} or a routing mode")
     if stored["mode"] != "baseline":
         for key in RESIDUAL_KEYS:
             if key in want and want[key] != stored[key]:
@@ -240,6 +253,7 @@ def _target_residual(stored: dict, residual, n_layers: int) -> dict:
     # Exact conversion by default: a zero gate on the routed term (unless the paper's null source is asked for).
     out["gate"] = want.get("gate", out["mode"] in ADDITIVE_MODES and not null)
     out["null_source"] = null
+    out.update({key: want[key] for key in MIXING_KEYS if key in want})
     return out
 
 
@@ -354,12 +368,25 @@ def _tokenizer_vocab(path: str) -> int | None:
 
 
 def _fresh_routing(cfg) -> dict:
-    """Initial routing parameters of one router, from DepthRouter's own initialisers."""
+    """Initial parameters of the routers (the mixing modes' mixers), from their own initialisers: one
+    dict holding every parameter name any of them has (every router starts alike)."""
     res = cfg.residual
-    D = cfg.d_model
-    router = DepthRouter(res.gate, res.null_source)
-    args = (jnp.zeros((1, 1, 1, D)), jnp.ones((1, 1, 1)), jnp.ones((1,), bool), jnp.zeros((1, 1, D)))
-    return jax.tree.map(np.asarray, nn.meta.unbox(router.init(jax.random.key(0), *args)["params"]))
+    routing = DepthRouting.from_config(cfg)
+    e_BTD = jnp.zeros((1, 1, cfg.d_model))
+    state = init_depth_state(e_BTD, routing.plan)
+    out = {}
+    for k in range(2):
+        if not has_router(res.mode, k, 2):
+            continue
+        router = routing.linen_router(k, 2, "router", gate=res.gate, null_source=res.null_source)
+        if res.mode in ROUTING_MODES:
+            args = (jnp.zeros((1, 1, 1, cfg.d_model)), jnp.ones((1, 1, 1)), jnp.ones((1,), bool), e_BTD)
+        elif res.mode == "denseformer":
+            args = (state.sources_SBTD, 0, np.ones(routing.plan.n_slots, bool))
+        else:
+            args = (state.streams_RBTD, 0)
+        out.update(nn.meta.unbox(router.init(jax.random.key(0), *args)["params"]))
+    return jax.tree.map(np.asarray, out)
 
 
 def check_checkpoint(path: str, cfg):
@@ -474,6 +501,9 @@ def to_hf(cfg, params, path: str, *, dtype: str = "float32", tokenizer: str | No
     config.json, safetensors (sharded with an index above `max_shard_bytes`), and the
     tokenizer from `tokenizer` (a tokenizer.json or a directory holding one) when given."""
     validate_model_config(cfg)
+    if cfg.residual.mode in MIXING_MODES:
+        raise HFError(f"mode {cfg.residual.mode!r} has no Hugging Face model: exports are of the routing modes "
+                      f"({', '.join(ROUTING_MODES)}), whose PyTorch model deltares ships; keep the deltares checkpoint")
     if dtype not in ("float32", "bfloat16"):
         raise HFError(f"dtype {dtype!r}: allowed float32, bfloat16")
     table = tensor_table(cfg)

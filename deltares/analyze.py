@@ -16,6 +16,13 @@ with `--text_field` for records) and reports:
   `c0, c1, ..` (completed blocks) and `partial` (the current block's partial sum) in
   the block modes; `null` for a null source when the model has one.
 
+The mixing modes report their own weights by depth the same way: `hyper` and `mhc` each sublayer's
+read weights over the streams `r0, r1, ..`; `denseformer` each averaging layer's weights over the
+embedding `e` and the layer outputs `x1, x2, ..` (on the layer's last sublayer). Those weights need
+not be positive nor sum to 1: `max_weight` is the largest |weight|, `entropy` that of |weight|
+normalised to sum to 1, and their quartiles are over the batches' means (from the model's own
+statistics), not over tokens.
+
 The quartiles are exact, over every token of the sample: the weights are taken
 per token from the model's own routers (flax `capture_intermediates` on the
 layers unrolled, same parameters), not from the batch means the trainer logs.
@@ -43,7 +50,7 @@ import numpy as np
 from absl import flags
 
 from deltares.training.checkpoint import load_checkpoint
-from deltares.nn.config import BLOCK_MODES, REPLACEMENT_MODES
+from deltares.nn.config import BLOCK_MODES, HYPER_MODES, MIXING_MODES, REPLACEMENT_MODES
 from deltares.data.dataset import TokenData, data_units, eval_batches, prepared_folder, source_tokens
 from deltares.data.documents import SOURCE_HELP, DataError
 from deltares.common.outputs import OutputError, check_output
@@ -129,8 +136,13 @@ def sublayer_name(j: int) -> str:
 
 
 def slot_labels(model_cfg) -> list[str]:
-    """Column label of every buffer slot: `e, v0 ..` (per-sublayer modes) or `e, c0 ..` (block modes)."""
+    """Column label of every buffer slot: `e, v0 ..` (per-sublayer modes), `e, c0 ..` (block modes), the
+    streams `r0 ..` (hyper, mhc) or `e, x1 ..` (denseformer: the layers' outputs)."""
     plan = plan_for(model_cfg)
+    if plan.mode in HYPER_MODES:
+        return [f"r{k}" for k in range(plan.n_slots)]
+    if plan.mode == "denseformer":
+        return ["e"] + [f"x{k}" for k in range(1, plan.n_slots)]
     kind = "c" if plan.mode in BLOCK_MODES else "v"
     return ["e"] + [f"{kind}{k}" for k in range(plan.n_slots - 1)]
 
@@ -216,6 +228,8 @@ def analyze_run(run: Run, batches: list[np.ndarray]) -> dict:
         n_layers=cfg.n_layers, block_layers=cfg.residual.block_layers, d_model=cfg.d_model,
         tokens=int(sum(b[:, 1:].size for b in batches)), slots=slot_labels(cfg), sublayers=[],
     )
+    if plan.mode in MIXING_MODES:
+        return _summarise(result, cfg, plan, *_mixing_weights(run, batches), with_final=False, has_null=False)
     if not plan.uses_sources:
         result.update(routed_sublayers=0, mean_max_weight=None, deep_max_weight=None, mean_entropy=None)
         return result
@@ -232,7 +246,25 @@ def analyze_run(run: Run, batches: list[np.ndarray]) -> dict:
     n_tokens = result["tokens"]
     mean_JS = sums / n_tokens
     max_JN, entropy_JN = np.concatenate(maxes, axis=1), np.concatenate(entropies, axis=1)
+    return _summarise(result, cfg, plan, mean_JS, max_JN, entropy_JN, with_final, has_null)
 
+
+def _mixing_weights(run: Run, batches: list[np.ndarray]):
+    """The mixing modes' weights (hyper, mhc: each sublayer's read weights over the streams; denseformer:
+    each averaging layer's weights over the layer outputs) from the model's own statistics, per batch:
+    (mean weight per slot [J, S + 1] (the last a null column, 0), and the max |weight| and entropy of
+    |weight| / sum |weight| [J, batches]: their spread is over batches, not tokens)."""
+    model = Transformer(run.config.model)
+    step = jax.jit(lambda params, tokens_BT: model.apply({"params": params}, tokens_BT[:, :-1], return_stats=True)[1])
+    per = [jax.device_get(step(run.params, jnp.asarray(batch))) for batch in batches]
+    mean_JS = np.mean([p["weights"] for p in per], axis=0).astype(np.float64)
+    mean_JS = np.concatenate([mean_JS, np.zeros((mean_JS.shape[0], 1))], axis=1)
+    return (mean_JS, np.stack([p["max_weight"] for p in per], axis=1),
+            np.stack([p["entropy"] for p in per], axis=1))
+
+
+def _summarise(result: dict, cfg, plan, mean_JS, max_JN, entropy_JN, with_final: bool, has_null: bool) -> dict:
+    """`analyze_run`'s per-sublayer rows and summary from the weights' means and spreads."""
     rows = list(range(2 * cfg.n_layers)) + ([None] if with_final else [])
     for row, j in enumerate(rows):
         names = source_names(cfg, j)
@@ -253,7 +285,7 @@ def analyze_run(run: Run, batches: list[np.ndarray]) -> dict:
             slot_weights=[float(w) for w in mean_JS[row, :-1]],
             max_weight=_spread(max_JN[row]),
             entropy=_spread(entropy_JN[row]),
-            max_entropy=math.log(n_sources),
+            max_entropy=math.log(n_sources) if n_sources else 0.0,
         ))
     routed = [s for s in result["sublayers"] if s["routed"] and s["name"] != "final"]
     deep = [s for s in routed if s["index"] >= cfg.n_layers]  # the second half of the depth

@@ -73,6 +73,9 @@ PAPER_COLUMNS = {
     "full_attnres": "Full AttnRes",
     "delta_block": "Delta Block",
     "delta": "Delta AttnRes",
+    "hyper": "Hyper-connections",
+    "mhc": "mHC",
+    "denseformer": "DenseFormer",
 }
 
 
@@ -113,6 +116,7 @@ def _load_run(path: str) -> tuple[dict, dict]:
         n_layers=model["n_layers"],
         mode=mode,
         block_layers=model["residual"]["block_layers"] if mode in ("block_attnres", "delta_block") else None,
+        mixing=_mixing_label(model["residual"]),
         step=last.get("step", ckpt.step),
         checkpoint_step=ckpt.step,
         tokens_seen=last.get("tokens_seen", last.get("step", ckpt.step) * tokens_per_step),
@@ -195,10 +199,25 @@ def markdown(summaries: list[dict]) -> str:
     return "\n".join(lines + [""] + run_table(summaries))
 
 
+def _mixing_label(residual: dict) -> str | None:
+    """The mixing modes' settings in a label: `R=4` (hyper: `, static` without dynamic weights), `dilation 2,
+    period 2` (denseformer, where not 1); None in the routing modes. Configs saved before a field existed
+    have its default."""
+    mode = residual["mode"]
+    if mode in ("hyper", "mhc"):
+        return f"R={residual.get('streams', 4)}" + ("" if residual.get("dynamic", True) or mode == "mhc" else ", static")
+    if mode == "denseformer":
+        parts = [f"{key} {residual.get(key, 1)}" for key in ("dilation", "period") if residual.get(key, 1) != 1]
+        return ", ".join(parts) or None
+    return None
+
+
 def mode_label(item: dict) -> str:
-    """A run's or group's mode, with its block size in the block modes and its routing LR where set."""
+    """A run's or group's mode, with its block size in the block modes, the mixing modes' settings, and its
+    routing LR where set."""
     lr = item.get("routing_lr")
     return (item["mode"] + (f", B={item['block_layers']}" if item["block_layers"] else "")
+            + (f", {item['mixing']}" if item.get("mixing") else "")
             + ("" if lr is None else f", routing LR {lr:g}"))
 
 
@@ -361,7 +380,7 @@ def _group(name: str, members: list, excluded: list) -> dict:
     return dict(
         group=name, mode=first["mode"], scale=first["scale"], scale_label=scale_label(first),
         d_model=first["d_model"], n_layers=first["n_layers"], block_layers=first["block_layers"],
-        routing_lr=first["routing_lr"],
+        mixing=first.get("mixing"), routing_lr=first["routing_lr"],
         steps=first["train_steps"], runs=[s["run"] for s in done], seeds=[s["seed"] for s in done],
         excluded=[e["run"] for e in excluded if e["group"] == name], n=len(done),
         **{q: stats([s[q] for s in done]) for q in QUANTITIES},

@@ -156,6 +156,35 @@ def test_analyze_json_figures_and_model_stats(runs, dataset, tmp_path):
     assert full["final"] == ["e", "v0", "v1", "v2", "v3", "v4", "v5"]
 
 
+def test_the_mixing_modes_weights_by_depth_and_their_comparison(dataset, tmp_path):
+    """analyze reports each mixing mode's own weights by depth (hyper: every sublayer's read weights over the 4
+    streams, which start at stream j mod 4; denseformer with dilation 2: each layer's average over the outputs it
+    reads, which starts at its own), with figures; compare labels the modes with their settings."""
+    workdirs = []
+    for arg in ("hyper", "denseformer,dilation=2"):
+        cfg = debug_config(arg)
+        cfg.data.dataset = dataset
+        cfg.train.update(steps=2, eval_every=2, checkpoint_every=2, stats_every=0)
+        workdirs.append(str(tmp_path / arg.split(",")[0]))
+        train(cfg, workdirs[-1])
+    report = analyze(workdirs, out=str(tmp_path / "analysis"), batch=BATCH, max_batches=2)
+    hyper, dense = report["runs"]
+    assert hyper["slots"] == ["r0", "r1", "r2", "r3"] and hyper["routed_sublayers"] == 6
+    for j, row in enumerate(hyper["sublayers"]):  # two steps move the weights little from their start
+        assert row["sources"] == ["r0", "r1", "r2", "r3"]
+        np.testing.assert_allclose(row["weights"], np.eye(4)[j % 4], atol=0.05)
+    assert dense["slots"] == ["e", "x1", "x2", "x3"]
+    averaging = [row for row in dense["sublayers"] if row["sources"]]
+    assert [row["name"] for row in averaging] == ["L0.mlp", "L1.mlp", "L2.mlp"]
+    assert [row["sources"] for row in averaging] == [["x1"], ["e", "x2"], ["x1", "x3"]]  # l - j even
+    for layer, row in enumerate(averaging, start=1):
+        np.testing.assert_allclose(row["weights"][-1], 1.0, atol=0.05)  # its own output
+    for name in ("heatmap_hyper", "heatmap_denseformer", "max_weight_depth"):
+        assert_png(report["figures"][name])
+    table = compare(workdirs)
+    assert "| hyper | hyper, R=4 |" in table and "| denseformer | denseformer, dilation 2 |" in table, table
+
+
 def test_source_names_of_every_mode():
     cfg = debug_config("delta").model
     assert source_names(cfg, 3) == ["e", "v0", "v1", "v2", None, None, None]

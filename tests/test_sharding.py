@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from deltares.nn.config import MODES
+from deltares.nn.config import MODES, ROUTING_MODES
 from tests.jax_cache import ENV
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +36,10 @@ def test_sharded_step_equals_single_device(results, mode, mesh):
     sharded = results["modes"][mode][mesh]
     np.testing.assert_allclose(sharded["losses"], single, rtol=1e-6)
     assert sharded["param_change"] > 1e-3  # the steps really moved the parameters...
-    assert sharded["max_param_diff"] < 1e-5  # ...to the same place as on one device
+    # ...to the same place as on one device. mhc to 1e-4: Sinkhorn's result does not change when a constant is
+    # added to a row or a column of its logits, so the gradients of its mixing biases along those directions
+    # are roundoff, which Adam's normalisation turns into updates of up to the learning rate (3 steps: ~3e-5)
+    assert sharded["max_param_diff"] < (1e-4 if mode == "mhc" else 1e-5)
     assert sharded["sharded_fraction"] > 0.98
     assert sharded["embedding_spec"] == "P('tensor', 'fsdp')"
 
@@ -75,7 +78,7 @@ def test_splash_attention_under_a_mesh_equals_single_device(results):
     assert got["max_param_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ROUTING_MODES)
 def test_routing_splits_the_model_dimension_over_tensor(results, mode):
     """With tensor > 1 every routed sublayer (2 per layer, plus the Kimi modes' output routing)
     sums partial logits with psum over `tensor` inside shard_map, in the forward and backward

@@ -330,7 +330,7 @@ def make_plan(mode: str, n_layers: int, block_layers: int = 1, include_partial: 
 def plan_for(model_cfg) -> ResidualPlan:
     res = model_cfg.residual
     return make_plan(res.mode, model_cfg.n_layers, res.block_layers, res.include_partial, max(1, res.group_layers),
-                     res.scan_segments)
+                     res.scan_segments, streams=res.streams, dilation=res.dilation, period=res.period)
 
 
 def two_phase(model_cfg) -> bool:

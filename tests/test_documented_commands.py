@@ -290,7 +290,7 @@ RULES = (
     Rule("reproduction script lines", ".", "in_script", source=r"^docs/results/reproduction/run\.sh$",
          reason="a line of docs/results/reproduction/run.sh, which runs as a whole below"),
     Rule("reproduction script", r"^bash docs/results/reproduction/run\.sh all runs/study$", "run",
-         env=(("CORPORA", "{corpora}"), ("STEPS", "2"), ("LONG_STEPS", "2"), ("SEEDS", "0"), ("MODES", "delta_block"),
+         env=(("CORPORA", "{corpora}"), ("STEPS", "2"), ("LONG_STEPS", "2"), ("SEEDS", "0"), ("MODES", "delta_block"), ("FAMILY_MODES", "hyper"),
               ("EVAL_BATCHES", "2"), ("DEEP_LAYERS", "3")),
          timeout=900, reason="every part, 2 steps per run of delta_block, one seed, on Moby-Dick, 2 evaluation "
                              "batches, the depth part's deeper model at 3 layers (24 compile for minutes unrolled)"),

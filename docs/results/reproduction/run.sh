@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The small-scale reproduction study (README.md here): every number in README.md comes from this.
-#   bash docs/results/reproduction/run.sh PART [RUNS_DIR]      PART: seeds blocks routing_lr depth long report all
+#   bash docs/results/reproduction/run.sh PART [RUNS_DIR]      PART: seeds blocks routing_lr depth long report families all
 # Each part is resumable: a finished run is skipped (its final evaluation is reread), an interrupted
 # one continues from its last checkpoint. Budgets: minutes on a quiet 2-core CPU (2026-12-01).
 #   seeds       ~105 min  5 modes x 3 seeds, tiny (d256, 6 layers), 400 steps
@@ -10,10 +10,13 @@
 #                         session: SEEDS=0, then SEEDS=1; seed 1 took 90 min, seed 0 117 beside long)
 #   long         ~60 min  baseline and delta_block to 2,000 steps, seed 0 (91 min beside depth)
 #   report        ~3 min  tables (results.md, groups.json, depth.md, long.md), depth figure, routing statistics
-# Knobs (for a quick check): STEPS (400), LONG_STEPS (2000), SEEDS (0 1 2), MODES, CORPORA,
+#   families     ~65 min  every residual family (FAMILY_MODES: the five routing modes, hyper, mhc, denseformer)
+#                         x 2 seeds, tiny, 400 steps (the seeds part's runs where it ran), compared (families.md,
+#                         families.json), their weights by depth for seed 0 (figures/families)
+# Knobs (for a quick check): STEPS (400), LONG_STEPS (2000), SEEDS (0 1 2), MODES, FAMILY_MODES, CORPORA,
 # EVAL_BATCHES (40, per evaluation), DEEP_LAYERS (24, the depth part's deeper model; a multiple of 3).
 set -euo pipefail
-PART=${1:?"usage: run.sh PART [RUNS_DIR]; PART: seeds blocks routing_lr depth long report all"}
+PART=${1:?"usage: run.sh PART [RUNS_DIR]; PART: seeds blocks routing_lr depth long report families all"}
 RUNS=${2:-runs/study}
 STEPS=${STEPS:-400}
 LONG_STEPS=${LONG_STEPS:-2000}
@@ -21,6 +24,7 @@ EVAL_BATCHES=${EVAL_BATCHES:-40}
 DEEP_LAYERS=${DEEP_LAYERS:-24}
 read -r -a SEEDS <<< "${SEEDS:-0 1 2}"
 read -r -a MODES <<< "${MODES:-baseline full_attnres block_attnres delta delta_block}"
+read -r -a FAMILY_MODES <<< "${FAMILY_MODES:-baseline full_attnres block_attnres delta delta_block hyper mhc denseformer}"
 CORPORA=${CORPORA:-../shared/corpora}
 DATA=$RUNS/data
 OUT=${OUT:-docs/results/reproduction}
@@ -109,9 +113,24 @@ report() {
   done
 }
 
+families() {
+  local runs=() analyzed=() seed mode
+  for seed in "${SEEDS[@]:0:2}"; do
+    for mode in "${FAMILY_MODES[@]}"; do
+      train "experiments/tiny.py:$mode" "$RUNS/tiny/${mode}_s$seed" "$STEPS" --config.seed="$seed"
+      runs+=("$RUNS/tiny/${mode}_s$seed")
+    done
+  done
+  for mode in "${FAMILY_MODES[@]}"; do analyzed+=(--workdir "$RUNS/tiny/${mode}_s${SEEDS[0]}"); done
+  mkdir -p "$OUT/figures"
+  python -m deltares.compare "${runs[@]}" --group --out "$OUT/families.md" --json "$OUT/families.json" --overwrite
+  python -m deltares.analyze "${analyzed[@]}" --out "$OUT/figures/families"
+}
+
 prepare
 case $PART in
-  seeds | blocks | routing_lr | depth | long | report) "$PART" ;;
-  all) seeds; blocks; routing_lr; depth; long; report ;;
-  *) echo "run.sh: unknown part '$PART'; expected seeds blocks routing_lr depth long report all" >&2; exit 2 ;;
+  seeds | blocks | routing_lr | depth | long | report | families) "$PART" ;;
+  all) seeds; blocks; routing_lr; depth; long; report; families ;;
+  *) echo "run.sh: unknown part '$PART'; expected seeds blocks routing_lr depth long report families all" >&2
+     exit 2 ;;
 esac

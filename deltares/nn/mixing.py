@@ -62,16 +62,20 @@ def reduce_streams(H_RBTD):
 
 
 def read_streams(H_RBTD, read_BTR):
-    """x = sum_i read_i H_i [B, T, D]."""
+    """x = sum_i read_i H_i [B, T, D]. Written as products and a sum over the few streams (not a
+    matrix product with batch axes, which XLA would feed with transposed copies of the streams), so
+    that it compiles to one elementwise pass."""
     acc = acc_of(H_RBTD.dtype)
-    return jnp.einsum("rbtd,btr->btd", H_RBTD.astype(acc), read_BTR.astype(acc)).astype(H_RBTD.dtype)
+    read_RBT1 = jnp.moveaxis(read_BTR.astype(acc), -1, 0)[..., None]
+    return jnp.sum(H_RBTD.astype(acc) * read_RBT1, axis=0).astype(H_RBTD.dtype)
 
 
 def write_streams(H_RBTD, mix_BTRR, write_BTR, y_BTD):
-    """H'_k = sum_i mix_ik H_i + write_k y [R, B, T, D]."""
+    """H'_k = sum_i mix_ik H_i + write_k y [R, B, T, D], one elementwise pass (as `read_streams`)."""
     acc = acc_of(H_RBTD.dtype)
-    mixed = jnp.einsum("rbtd,btrk->kbtd", H_RBTD.astype(acc), mix_BTRR.astype(acc))
-    out = mixed + jnp.einsum("btk,btd->kbtd", write_BTR.astype(acc), y_BTD.astype(acc))
+    mix_RKBT1 = jnp.moveaxis(mix_BTRR.astype(acc), (-2, -1), (0, 1))[..., None]
+    write_KBT1 = jnp.moveaxis(write_BTR.astype(acc), -1, 0)[..., None]
+    out = jnp.sum(H_RBTD.astype(acc)[:, None] * mix_RKBT1, axis=0) + write_KBT1 * y_BTD.astype(acc)[None]
     return constrain(out.astype(H_RBTD.dtype), SOURCES_AXES)
 
 
@@ -119,11 +123,15 @@ def hyper_coefficients(params, H_RBTD, j, *, eps: float = routing.NORM_EPS):
     read, mix, write = (jnp.broadcast_to(c, batch + c.shape) for c in (read, mix, write))
     if "w_read" not in params:
         return read, mix, write
-    h_RBTD = H_RBTD.astype(F) * routing.inv_rms(H_RBTD, eps)[..., None]
+    # norm(H_i) W = (H_i W) / rms(H_i): one product of the streams with the three projections side by side
+    # (W in the streams' dtype, accumulated in float32), scaled after, so no normalised copy is made
+    W_DK = jnp.concatenate([params["w_read"][:, None], params["w_mix"], params["w_write"][:, None]], axis=1)
+    z_BTRK = jnp.einsum("rbtd,dk->btrk", H_RBTD, W_DK.astype(H_RBTD.dtype), preferred_element_type=F)
+    z_BTRK = z_BTRK * jnp.moveaxis(routing.inv_rms(H_RBTD, eps), 0, -1)[..., None]
     s_alpha, s_beta = params["s_alpha"].astype(F)[0], params["s_beta"].astype(F)[0]
-    read = read + s_alpha * jnp.tanh(jnp.einsum("rbtd,d->btr", h_RBTD, params["w_read"].astype(F)))
-    mix = mix + s_alpha * jnp.tanh(jnp.einsum("rbtd,dk->btrk", h_RBTD, params["w_mix"].astype(F)))
-    write = write + s_beta * jnp.tanh(jnp.einsum("rbtd,d->btr", h_RBTD, params["w_write"].astype(F)))
+    read = read + s_alpha * jnp.tanh(z_BTRK[..., 0])
+    mix = mix + s_alpha * jnp.tanh(z_BTRK[..., 1: n + 1])
+    write = write + s_beta * jnp.tanh(z_BTRK[..., n + 1])
     return read, mix, write
 
 
@@ -133,7 +141,8 @@ def mhc_coefficients(params, H_RBTD, *, iterations: int, eps: float = routing.NO
     n, F = H_RBTD.shape[0], acc_of(H_RBTD.dtype)
     H32 = H_RBTD.astype(F)
     inv_BT = jax.lax.rsqrt(jnp.mean(H32 * H32, axis=(0, 3)) + eps)  # RMS of the flattened R D
-    z = jnp.einsum("rbtd,rdk->btk", H32, params["phi"].astype(F)) * inv_BT[..., None]
+    z = jnp.einsum("rbtd,rdk->btk", H_RBTD, params["phi"].astype(H_RBTD.dtype), preferred_element_type=F)
+    z = z * inv_BT[..., None]  # (H / rms) phi, scaled after the product (as `hyper_coefficients`)
     s, b = params["scale"].astype(F), params["bias"].astype(F)
     read = jax.nn.sigmoid(s[0] * z[..., :n] + b[:n])
     write = 2.0 * jax.nn.sigmoid(s[1] * z[..., n: 2 * n] + b[n: 2 * n])

@@ -384,10 +384,7 @@ class DepthRouting:
             state = self.add(state, index(k), v_BTD)
             per_sublayer.append(stats_k)
             outputs.append(output)
-        stats_out = jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None
-        if any(o is not None for o in outputs):
-            return state, Outputs(tuple(outputs), stats_out)
-        return state, stats_out
+        return state, _layer_outs(per_sublayer, outputs, stats)
 
     def _mixed_layer(self, state: DepthState, sublayers: Sequence[tuple], index, stats: bool):
         """`layer` in the mixing modes: each sublayer's input read from the streams (hyper, mhc) or the
@@ -425,10 +422,7 @@ class DepthRouting:
                         stats_k = jax.tree.map(lambda a: a * jnp.asarray(applies, a.dtype), stats_k)
             per_sublayer.append(stats_k)
             outputs.append(output)
-        stats_out = jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None
-        if any(o is not None for o in outputs):
-            return state, Outputs(tuple(outputs), stats_out)
-        return state, stats_out
+        return state, _layer_outs(per_sublayer, outputs, stats)
 
     def stack(self, sublayers_of: Callable, params_L, e_BTD, *, store_once: bool = True, remat: bool = True):
         """All L identical layers as one scan, differentiable; returns the final depth state (then `output`).
@@ -470,6 +464,15 @@ class _ParamRouter:
 
     def __call__(self, sources_SBTD, inv_rms_SBT, valid, residual_BTD=None, prefix=None):
         return apply_router(self.params, sources_SBTD, inv_rms_SBT, valid, residual_BTD, eps=self.epsilon, prefix=prefix)
+
+
+def _layer_outs(per_sublayer: list, outputs: list, stats: bool):
+    """What `DepthRouting.layer` returns beside the state: the statistics stacked per sublayer (or None),
+    in `Outputs` with the sublayers' outputs where any returned one."""
+    stats_out = jax.tree.map(lambda *a: jnp.stack(a), *per_sublayer) if stats else None
+    if any(o is not None for o in outputs):
+        return Outputs(tuple(outputs), stats_out)
+    return stats_out
 
 
 def _split_output(out):

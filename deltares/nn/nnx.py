@@ -409,6 +409,11 @@ class DepthStack(nnx.Module):
             call's keyword arguments it takes, and by name `layer_index` and `sublayer`.
         layer_axis: the logical axis name of the stacked axis, put in front of every stacked
             variable's `out_sharding` metadata (`nnx.vmap`'s `transform_metadata`); None: none.
+        streams: `hyper`, `mhc`: the parallel residual streams R (deltares.nn.mixing).
+        dynamic: `hyper`: input-dependent weights beside the static ones.
+        sinkhorn_iterations: `mhc`: Sinkhorn-Knopp iterations.
+        dilation: `denseformer`: layer l averages the outputs X_j with l - j a multiple of this.
+        period: `denseformer`: only every period-th layer averages.
         rngs: the parameters' (and the layers' own streams') `nnx.Rngs`.
 
     Call: `stack(e_BTD, *args, per_layer=None, **kwargs) -> out_BTD` [B, T, D] (before your final

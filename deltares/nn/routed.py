@@ -178,10 +178,16 @@ class DepthRouting:
         return self.mode in MIXING_MODES
 
     def linen_router(self, k: int, n: int, name: str, **router_kw):
-        """Sublayer k's router (of a layer of n) as a linen module named `name`, or None
-        (deltares.nn.config.has_router): a `DepthRouter` with `router_kw` (gate, null_source, impl, interpret, dtype,
-        param_dtype, query_init, gain_init), or the mixing modes' `HyperConnection` or `DepthWeights`
-        (param_dtype the only keyword they take)."""
+        """A sublayer's router as a linen module, or None where it has none (deltares.nn.config.has_router):
+        a `DepthRouter`, or the mixing modes' `HyperConnection` or `DepthWeights`.
+
+        Args:
+            k: the sublayer's position in its layer.
+            n: the layer's sublayers.
+            name: the module's name.
+            **router_kw: a `DepthRouter`'s other fields (gate, null_source, impl, interpret, dtype,
+                param_dtype, query_init, gain_init); the mixers take `param_dtype` only.
+        """
         if not has_router(self.mode, k, n):
             return None
         if self.mode in HYPER_MODES:

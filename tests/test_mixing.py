@@ -276,8 +276,11 @@ def test_hyper_modes_refuse_stream_hooks_and_mixers_are_required():
     state = routing.start(e)
     with pytest.raises(ValueError, match="DepthWeights"):
         routing.add(state, 1, e)
-    with pytest.raises(ValueError, match="streams=0"):
-        DepthRouting("hyper", 2, streams=0)
+    for bad in (0, -1, 65, 2**31 - 1):  # a huge count would build its tables before anything else could refuse it
+        with pytest.raises(ValueError, match=rf"streams={bad} must be an integer in \[1, 64\]"):
+            DepthRouting("hyper", 2, streams=bad)
+    with pytest.raises(ValueError, match="sinkhorn_iterations=0"):
+        DepthRouting("mhc", 2, sinkhorn_iterations=0)
 
 
 @pytest.mark.parametrize("mode", ["hyper", "denseformer"])

@@ -31,6 +31,10 @@ BLOCK_MODES = ("block_attnres", "delta_block")
 REPLACEMENT_MODES = ("full_attnres", "block_attnres")
 ADDITIVE_MODES = ("delta", "delta_block")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# hyper, mhc: the streams each sublayer reads and writes (the papers use 2 to 8; every layer boundary holds R
+# copies of the stream); mhc: Sinkhorn iterations per sublayer (the paper: 20)
+STREAMS = Domain(1, 64)
+SINKHORN_ITERATIONS = Domain(1, 10_000)
 # config.model.remat -> the jax.checkpoint policy of each layer (None: no rematerialisation)
 REMAT_POLICIES = {
     "none": None,
@@ -103,11 +107,11 @@ MODEL_FIELDS = (
     Field("residual.gate", False, bool, None, "a zero-initialised scalar gate on each routed term (conversions; "
           "additive modes)"),
     Field("residual.null_source", False, bool, None, "a learned null source in every routing (additive modes)"),
-    Field("residual.streams", 4, int, AT_LEAST_1, "hyper, mhc: parallel residual streams (the expansion rate n); "
+    Field("residual.streams", 4, int, STREAMS, "hyper, mhc: parallel residual streams (the expansion rate n); "
           "the stream the layers carry is n times wider"),
     Field("residual.dynamic", True, bool, None, "hyper: input-dependent read, write and mixing weights added to "
           "the static ones (dynamic hyper-connections); false: static only"),
-    Field("residual.sinkhorn_iterations", 20, int, AT_LEAST_1, "mhc: Sinkhorn-Knopp iterations projecting the "
+    Field("residual.sinkhorn_iterations", 20, int, SINKHORN_ITERATIONS, "mhc: Sinkhorn-Knopp iterations projecting the "
           "stream-mixing matrix onto doubly stochastic matrices (float32)"),
     Field("residual.dilation", 1, int, AT_LEAST_1, "denseformer: layer i averages the outputs of layers j with "
           "(i - j) a multiple of this"),

@@ -35,7 +35,10 @@ import numpy as np
 from deltares.nn import mixing
 from deltares.nn import routing as routing_math
 from deltares.nn.axes import SOURCES_AXES, STREAM_AXES, check_axis_names, constrain, use_axis_names
-from deltares.nn.config import BLOCK_MODES, HYPER_MODES, MIXING_MODES, MODES, Mode, has_router
+from deltares.common.domains import AT_LEAST_1
+from deltares.nn.config import (
+    BLOCK_MODES, HYPER_MODES, MIXING_MODES, MODES, SINKHORN_ITERATIONS, STREAMS, Mode, has_router,
+)
 from deltares.nn.depth import (
     DepthState, Outputs, Prefix, select, add_delta, depth_scan, init_depth_state, stack_output, sublayer_input,
     sublayer_prefix,
@@ -144,10 +147,11 @@ class DepthRouting:
         object.__setattr__(self, "sublayers", counts[0] if len(set(counts)) == 1 else tuple(counts))
         if not isinstance(self.unit_layers, int) or not 1 <= self.unit_layers <= self.n_layers:
             raise ValueError(f"unit_layers={self.unit_layers!r} must be an integer in [1, n_layers={self.n_layers}]")
-        for name in ("streams", "sinkhorn_iterations", "dilation", "period"):
+        for name, domain in (("streams", STREAMS), ("sinkhorn_iterations", SINKHORN_ITERATIONS),
+                             ("dilation", AT_LEAST_1), ("period", AT_LEAST_1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            if not isinstance(value, int) or isinstance(value, bool) or domain.problem(value):
+                raise ValueError(f"{name}={value!r} must be an integer {domain}")
         object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial,
                                                    self.group_layers, self.scan_segments, tuple(counts),
                                                    self.unit_layers, self.streams, self.dilation, self.period))

@@ -312,7 +312,8 @@ class DepthRouting:
             out = DepthState(select(row(applies_L, layer), averaged, h_BTD), sources, None)
         if not stats:
             return out
-        return out, router(sources, layer, row(valid_LS, layer), stats=True)
+        applies = jnp.asarray(row(applies_L, layer), jnp.float32)  # a layer that does not average: zeros
+        return out, jax.tree.map(lambda a: a * applies, router(sources, layer, row(valid_LS, layer), stats=True))
 
     def output(self, state: DepthState, final_router=None):
         """The stack's output [B, T, D] before your final norm.
@@ -428,8 +429,6 @@ class DepthRouting:
                     state = self._average(state, v_BTD, layer, closes, router, stats and closes)
                     if stats and closes:
                         state, stats_k = state
-                        applies = row(mixing.dwa_tables(self.n_layers, self.dilation, self.period)[1], layer)
-                        stats_k = jax.tree.map(lambda a: a * jnp.asarray(applies, a.dtype), stats_k)
             per_sublayer.append(stats_k)
             outputs.append(output)
         return state, _layer_outs(per_sublayer, outputs, stats)

@@ -14,6 +14,7 @@ from flax import nnx
 from deltares.nn import DepthStack, layer_params
 from deltares.nn import nnx as dnnx
 from deltares.nn.mixing import sinkhorn
+from deltares.nn.config import model_config, validate_model_config
 
 EPS = 1e-6
 NAMES = ("attn", "mlp")
@@ -281,6 +282,14 @@ def test_hyper_modes_refuse_stream_hooks_and_mixers_are_required():
             DepthRouting("hyper", 2, streams=bad)
     with pytest.raises(ValueError, match="sinkhorn_iterations=0"):
         DepthRouting("mhc", 2, sinkhorn_iterations=0)
+    # DenseFormer's dilation and period beyond the depth would silently train something else (no averages at all,
+    # or each layer averaging only its own output): refused in the layer and in the model's config
+    DepthRouting("denseformer", 3, dilation=3, period=3)
+    for field in ("dilation", "period"):
+        with pytest.raises(ValueError, match=rf"{field}=4 must be an integer in \[1, n_layers=3\]"):
+            DepthRouting("denseformer", 3, **{field: 4})
+        with pytest.raises(ValueError, match=rf"residual\.{field}=4 is invalid"):
+            validate_model_config(model_config(n_layers=3, residual=dict(mode="denseformer", **{field: 4})))
 
 
 @pytest.mark.parametrize("mode", ["hyper", "denseformer"])

@@ -114,9 +114,9 @@ MODEL_FIELDS = (
     Field("residual.sinkhorn_iterations", 20, int, SINKHORN_ITERATIONS, "mhc: Sinkhorn-Knopp iterations projecting the "
           "stream-mixing matrix onto doubly stochastic matrices (float32)"),
     Field("residual.dilation", 1, int, AT_LEAST_1, "denseformer: layer i averages the outputs of layers j with "
-          "(i - j) a multiple of this"),
+          "(i - j) a multiple of this; at most n_layers"),
     Field("residual.period", 1, int, AT_LEAST_1, "denseformer: a depth-weighted average after every period-th "
-          "layer only"),
+          "layer only; at most n_layers"),
 )
 
 
@@ -263,6 +263,10 @@ def validate_model_config(cfg) -> None:
               "use 'xla'")
     if res.block_layers > cfg.n_layers:
         _fail(prefix, "residual.block_layers", res.block_layers, f"must be an integer in [1, n_layers={cfg.n_layers}]")
+    if res.mode == "denseformer":  # beyond the depth no layer averages (period) or each reads only itself (dilation)
+        for field in ("dilation", "period"):
+            if res[field] > cfg.n_layers:
+                _fail(prefix, f"residual.{field}", res[field], f"must be an integer in [1, n_layers={cfg.n_layers}]")
 
 
 def check_platform(cfg, platform: str, seq_len: int) -> None:

@@ -152,6 +152,9 @@ class DepthRouting:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or domain.problem(value):
                 raise ValueError(f"{name}={value!r} must be an integer {domain}")
+            if self.mode == "denseformer" and name in ("dilation", "period") and value > self.n_layers:
+                raise ValueError(f"{name}={value} must be an integer in [1, n_layers={self.n_layers}]: beyond the depth "
+                                 f"{'no layer averages' if name == 'period' else 'each layer averages only its own output'}")
         object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial,
                                                    self.group_layers, self.scan_segments, tuple(counts),
                                                    self.unit_layers, self.streams, self.dilation, self.period))

@@ -154,8 +154,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode,kw,shape,n_layers,scan", [c + (True,) for c in CASES] +
-                         [CASES[i] + (False,) for i in (1, 2, 5)])
+@pytest.mark.parametrize("mode,kw,shape,n_layers,scan", [CASES[i] + (True,) for i in (0, 3, 4, 5)] +
+                         [CASES[i] + (False,) for i in (1, 2, 5)])  # every mode scanned and unrolled
 @jax.enable_x64(True)
 def test_linen_stack_equals_the_papers_equations(mode, kw, shape, n_layers, scan):
     e = jax.random.normal(jax.random.key(0), shape, jnp.float64)

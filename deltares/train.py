@@ -426,11 +426,13 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:300] if lines else ''}"
 
 
-def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process: bool) -> str | None:
-    """Why the run cannot go on storing its work (a background save failed, or the run directory's lock
-    was taken over), or None. With several processes, `every_process` agrees on it (a collective:
-    call it at the same steps on all)."""
-    problem = lock.problem() if lock is not None else None  # first: a moved directory also fails the saves
+def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process: bool,
+                     problem: str | None = None) -> str | None:
+    """Why the run cannot go on storing its work (`problem`, a failure this process already saw; a
+    background save failed; the run directory's lock was taken over), or None. With several processes,
+    `every_process` agrees on it (a collective: call it at the same steps on all)."""
+    if problem is None and lock is not None:
+        problem = lock.problem()  # first: a moved directory also fails the saves
     if problem is None:
         try:
             ckpt.poll()
@@ -515,6 +517,7 @@ class _TrainLoop:
         self.outputs = _Outputs(cfg.model.vocab_size, run.source.path)
         self.single = jax.process_count() == 1
         self.last_eval: dict = {}
+        self.problem: str | None = None  # a storage failure this process saw, not yet shared (`fail`)
         self.stop = StopRequest()
         self.bar = tqdm(total=t.steps, initial=self.start, unit="step", desc="train", dynamic_ncols=True,
                         file=sys.stderr, disable=jax.process_index() != 0)
@@ -552,19 +555,23 @@ class _TrainLoop:
 
     def save(self, step: int) -> None:
         ckpt = self.ckpt
-        try:
-            with self.aside:
-                ckpt.wait()  # the previous save first: the directory is checked right before this one starts
-                if self.lock is not None and (problem := self.lock.problem()):  # moved or deleted meanwhile
-                    self.stop_for_storage(problem)
+        with self.aside:
+            # the previous save first, and the directory checked right before this one starts (by all processes)
+            self.check_storage(wait=True)
+            try:
                 ckpt.save(step, self.state, self.run_data.train.get_state(), self.config_record, self.dataset_record)
-        except CheckpointError as err:
-            self.stop_for_storage(str(err))
-        except TrainError:
-            raise
-        except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
-            self.stop_for_storage(f"saving step {step} failed ({first_line(err)}); {ckpt.previous()} in "
-                                  f"{ckpt.directory}")
+            except CheckpointError as err:
+                self.fail(str(err))
+            except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
+                self.fail(f"saving step {step} failed ({first_line(err)}); {ckpt.previous()} in {ckpt.directory}")
+
+    def fail(self, problem: str) -> None:
+        """A storage failure this process saw. One process stops for it at once; several stop together at
+        the next `check_storage`, where every process learns of it (one that stopped alone would leave the
+        others waiting in the next collective until jax's shutdown timeout aborts them, minutes later)."""
+        if self.single:
+            self.stop_for_storage(problem)
+        self.problem = self.problem or problem
 
     def log(self, step: int, batch, step_time: float, save_now: bool) -> None:
         """The record of a logging (or saving) step, after checking that what is saved is finite. The first
@@ -584,14 +591,16 @@ class _TrainLoop:
         try:
             self.writer.write(step, record)
         except OSError as err:
-            self.stop_for_storage(f"writing the metrics of step {step} to {self.workdir} failed "
-                                  f"({err.strerror or err}); {_last_good(self.ckpt)}")
+            self.fail(f"writing the metrics of step {step} to {self.workdir} failed ({err.strerror or err}); "
+                      f"{_last_good(self.ckpt)}")
         self.bar.set_postfix(loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
 
     def check_storage(self, wait: bool = False) -> None:
-        """Stops the run if the last save failed (`wait`: after waiting for it) or the storage is unfit."""
-        problem = _wait_and_check(self.ckpt) if wait else None
-        if problem or (problem := _storage_problem(self.ckpt, self.lock, not self.single)):
+        """Stops the run if a write failed (`wait`: the last save, after waiting for it) or the storage is
+        unfit; with several processes, all stop if any one saw a failure (a collective: every process calls
+        it at the same steps)."""
+        problem = self.problem or (_wait_and_check(self.ckpt) if wait else None)
+        if problem := _storage_problem(self.ckpt, self.lock, not self.single, problem):
             self.stop_for_storage(problem)
 
     def run(self) -> dict:

@@ -6,7 +6,9 @@ The trainer's own `__main__` runs unchanged (flags, `initialize_distributed` fro
 rows of every batch the loop takes from the data iterator (one `next` per step) and the step of
 every checkpoint save; with them the process's index and count, and whether it joined a cluster.
 `$DELTARES_TEST_STEP_SLEEP` seconds of sleep per step keep the run going long enough for a signal
-to land mid-run. In a SLURM job (tests/test_slurm.py) `{process}` and `{restart}` in the record's
+to land mid-run. `$DELTARES_TEST_FAIL_SAVE=process:step` makes that process's save of that step fail
+as a background write that ran out of disk space does (orbax's report of it, seen by that process
+alone). In a SLURM job (tests/test_slurm.py) `{process}` and `{restart}` in the record's
 path become the task's `SLURM_PROCID` and the job's `SLURM_RESTART_COUNT`, the sleep may be a list
 with one value per restart (the last one for later restarts), and the record also holds what SLURM
 gave the task: its CPUs (the process's CPU affinity) and SLURM's CPU and memory variables.
@@ -34,6 +36,7 @@ RECORD = os.environ["DELTARES_TEST_RECORD"].format(process=os.environ.get("SLURM
 SLEEPS = [float(s) for s in os.environ.get("DELTARES_TEST_STEP_SLEEP", "0").split(",")]
 SLEEP = SLEEPS[min(RESTART, len(SLEEPS) - 1)]
 SLURM = ("SLURM_CPUS_ON_NODE", "SLURM_JOB_CPUS_PER_NODE", "SLURM_MEM_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST")
+FAIL_SAVE = os.environ.get("DELTARES_TEST_FAIL_SAVE")
 rows, saves = [], []
 
 
@@ -65,6 +68,8 @@ def recording_iterator(ds, prefetch=4, _inner=dataset.train_iterator):
 
 def recording_save(self, step, *args, _inner=checkpoint.Checkpointer.save):
     saves.append(int(step))
+    if FAIL_SAVE == f"{jax.process_index()}:{step}":
+        self._errors.error = OSError(28, "No space left on device")  # read by the save's own poll
     return _inner(self, step, *args)
 
 

@@ -41,6 +41,7 @@ WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
 SLURM = os.path.join(ROOT, "launch", "slurm.sh")
 STEPS, SEQ, BATCH, PROCESSES, STATS_EVERY = 20, 32, 8, 2, 5
 SIGNAL_AFTER = 2  # steps process 0 has logged when process 1 gets SIGTERM
+FAIL_SAVE = 8  # the step whose save fails on process 1 only (the step before it saved well)
 STEP_SLEEP = 0.1  # seconds per step (worker hook): the notice reaches the sync point well before STEPS
 LOSS_ATOL = 1e-5  # float32: gloo sums in another order than one process does (measured: up to 4.8e-7)
 TIMEOUT = 240  # seconds for one run of all processes
@@ -101,20 +102,21 @@ def slurm_step(tmp, dataset, workdir) -> list[str]:
 class Run:
     """The processes of one launch of the trainer on `workdir`; output and records under `out`."""
 
-    def __init__(self, dataset, workdir, out, processes, tmp):
+    def __init__(self, dataset, workdir, out, processes, tmp, overrides=(), **extra_env):
         os.makedirs(out, exist_ok=True)
         self.workdir, self.out, self.deadline = str(workdir), str(out), time.monotonic() + TIMEOUT
         if processes == 1:
             cmd = [sys.executable, WORKER, "--config", os.path.join(ROOT, "experiments", "debug.py"),
-                   "--workdir", self.workdir, f"--config.data.dataset={dataset}", *OVERRIDES]
+                   "--workdir", self.workdir, f"--config.data.dataset={dataset}", *OVERRIDES, *overrides]
         else:
-            cmd = slurm_step(tmp, dataset, workdir)
+            cmd = [*slurm_step(tmp, dataset, workdir), *overrides]
         (port,) = slurm_local.free_ports(1)
         self.procs = []
         for i in range(processes):
             cluster = slurm_task_env(i, port) if processes > 1 else dict(  # a cluster of one, by jax's own variables
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0")
-            env = process_env(8 // processes, self.path(i, "record"), STEP_SLEEP if processes > 1 else 0, **cluster)
+            env = process_env(8 // processes, self.path(i, "record"), STEP_SLEEP if processes > 1 else 0, **cluster,
+                              **extra_env)
             with open(self.path(i, "stdout"), "w") as stdout, open(self.path(i, "stderr"), "w") as stderr:
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr))
 
@@ -175,8 +177,11 @@ def scenario(tmp_path_factory):
     started, runs = time.monotonic(), []
     try:
         single = Run(dataset, tmp / "single", tmp / "single-out", 1, tmp)
-        first = Run(dataset, tmp / "multi", tmp / "first-out", PROCESSES, tmp)  # both at once: mostly waiting
-        runs += [single, first]
+        first = Run(dataset, tmp / "multi", tmp / "first-out", PROCESSES, tmp)  # all at once: mostly waiting
+        # process 1 alone sees its save of FAIL_SAVE fail (the disk full where it writes)
+        failing = Run(dataset, tmp / "failing", tmp / "failing-out", PROCESSES, tmp,
+                      [f"--config.train.checkpoint_every={FAIL_SAVE // 2}"], DELTARES_TEST_FAIL_SAVE=f"1:{FAIL_SAVE}")
+        runs += [single, first, failing]
         first.wait_for_logged_steps(SIGNAL_AFTER)
         first.procs[1].send_signal(signal.SIGTERM)
         first_records = first.finish(exit_code=75)
@@ -186,6 +191,7 @@ def scenario(tmp_path_factory):
         runs.append(second)
         second_records = second.finish()
         single_records = single.finish()
+        failing_records = failing.finish(exit_code=1)
     finally:
         for run in runs:
             run.kill()
@@ -194,6 +200,7 @@ def scenario(tmp_path_factory):
         dataset=TokenData(str(dataset)), single=single, first=first, second=second,
         ref=single_records[0], first_records=first_records, second_records=second_records,
         checkpoints_after_first=checkpoints_after_first, metrics_after_first=metrics_after_first,
+        failing=failing, failing_records=failing_records,
     )
 
 
@@ -310,6 +317,20 @@ def test_restart_restores_the_checkpoint_on_both_processes_and_finishes(scenario
         assert r["saves"] == [STEPS] and r["steps"] == STEPS - step
     assert checkpoint_steps(scenario["second"].workdir) == [step, STEPS]
     assert f"resumed {scenario['second'].workdir} from step {step}" in scenario["second"].text(0, "stderr")
+
+
+def test_a_save_that_fails_on_one_process_stops_every_process_at_once(scenario):
+    """finish() asserted exit status 1 for both well before jax's shutdown timeout (300 s): the process
+    that saw the failure does not leave the others waiting in the next collective."""
+    run, records = scenario["failing"], scenario["failing_records"]
+    errors = [[line for line in run.text(i, "stderr").splitlines() if line.startswith("error:")] for i in range(PROCESSES)]
+    assert errors[1] == [f"error: saving step {FAIL_SAVE} failed (OSError: [Errno 28] No space left on device); "
+                         f"the previous checkpoint, step {FAIL_SAVE // 2}, is intact in {run.workdir}/checkpoints"], errors
+    assert errors[0] == ["error: another process of this run could not store its work (its error says why)"], errors
+    assert [r["saves"] for r in records] == [[FAIL_SAVE // 2, FAIL_SAVE]] * PROCESSES
+    # both stopped at the first agreed check after the failed save, the next step's
+    assert [r["steps"] for r in records] == [FAIL_SAVE + 1] * PROCESSES
+    assert "Traceback" not in run.text(0, "stderr") + run.text(1, "stderr")
 
 
 GLOO_WORDS = re.compile(r"\[Gloo\]|Rank|is|connected|to|peer|ranks\.|ranks|Expected|number|of|:|\d+")

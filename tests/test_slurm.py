@@ -112,9 +112,11 @@ class Job:
 
     def tail(self, chars: int = 6000) -> str:
         """The log's end for an assertion's message, without the Python thread dumps of an aborted trainer
-        (they fill it and push out the line that says why it aborted)."""
+        (they fill it and push out the line that says why it aborted), after every `error:` line in it."""
         log = re.sub(r"(?m)^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+) .*\n(^ +File .*\n)*\n?", "", self.log())
-        return re.sub(r"(?m)^Extension modules: .*\n", "", log)[-chars:]
+        log = re.sub(r"(?m)^Extension modules: .*\n", "", log)
+        errors = "".join(f"{line}\n" for line in log.splitlines() if line.startswith("error:"))  # cut off by a long tail
+        return f"the log's error lines:\n{errors}...\n{log[-chars:]}" if errors else log[-chars:]
 
     def attempts(self) -> list[str]:
         """The job log split at each start of the job script."""

@@ -152,9 +152,11 @@ class DepthRouting:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or domain.problem(value):
                 raise ValueError(f"{name}={value!r} must be an integer {domain}")
-            if self.mode == "denseformer" and name in ("dilation", "period") and value > self.n_layers:
-                raise ValueError(f"{name}={value} must be an integer in [1, n_layers={self.n_layers}]: beyond the depth "
-                                 f"{'no layer averages' if name == 'period' else 'each layer averages only its own output'}")
+        beyond = {"dilation": "each layer averages only its own output", "period": "no layer averages"}
+        for name, meaning in beyond.items():  # DenseFormer's spacings: beyond the depth they mean nothing
+            if self.mode == "denseformer" and getattr(self, name) > self.n_layers:
+                raise ValueError(f"{name}={getattr(self, name)} must be an integer in [1, n_layers={self.n_layers}]: "
+                                 f"beyond the depth {meaning}")
         object.__setattr__(self, "plan", make_plan(self.mode, self.n_layers, self.block_layers, self.include_partial,
                                                    self.group_layers, self.scan_segments, tuple(counts),
                                                    self.unit_layers, self.streams, self.dilation, self.period))

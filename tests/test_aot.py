@@ -144,23 +144,24 @@ def test_human_report_and_mesh_flag_on_megacore_v4():
 
 
 # tiny_deep made wide enough for the source buffer to count: d=512, 24 scanned layers, bfloat16,
-# remat full, 8 x 2048 tokens per chip; one slot per device is 16 MiB, the buffer (49 slots) 784 MiB.
+# remat full, 4 x 2048 tokens per chip; one slot per device is 8 MiB, the buffer (49 slots) 392 MiB.
 DEEP = ("--topology", "v5p:2x2x1", "--config.model.scan_layers=True", "--config.model.remat=full",
         "--config.model.dtype=bfloat16", "--config.model.d_model=512", "--config.model.d_ff=1536",
-        "--config.train.global_batch=32", "--config.data.seq_len=2048", "--json")
+        "--config.train.global_batch=16", "--config.data.seq_len=2048", "--json")
 
 
 @needs_libtpu
 def test_delta_step_on_tpu_stays_near_its_floor():
     """The TPU program of delta's train step holds, beyond baseline's, little more than its routing
-    floor (the live sources and one cotangent buffer). Measured 2026-12-04 (libtpu 0.0.42.1):
-    baseline 1767.2 MiB, delta 3962.2 (1.43 floors more); before the backward pass kept its loop's
-    buffers in place and stopped saving every layer's stream, 5607.6 (2.50 floors)."""
+    floor (the live sources and one cotangent buffer). Measured 2026-12-07 (libtpu 0.0.42.1):
+    baseline 1046.9 MiB, delta 2170.9 (1.46 floors more); before the backward pass kept its loop's
+    buffers in place and stopped saving every layer's stream (13aee90's parent), 2991.4 (2.53 floors).
+    At 8 x 2048 tokens per chip (2026-12-04, a compile of minutes): 1.43 floors, 2.50 before."""
     base, delta = (report_of(run_aot("--config", f"experiments/tiny_deep.py:{mode}", *DEEP)) for mode in
                    ("baseline", "delta"))
-    assert delta["floor_live_slots"] == 48 and delta["floor_bytes"] == 2 * 48 * 8 * 2048 * 512 * 2
+    assert delta["floor_live_slots"] == 48 and delta["floor_bytes"] == 2 * 48 * 4 * 2048 * 512 * 2
     excess = (delta["per_device_bytes"] - base["per_device_bytes"]) / delta["floor_bytes"]
-    assert 1.0 < excess < 1.5, excess
+    assert 1.0 < excess < 1.8, excess
 
 
 @needs_libtpu

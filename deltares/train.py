@@ -434,10 +434,7 @@ def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process
     if problem is None and lock is not None:
         problem = lock.problem()  # first: a moved directory also fails the saves
     if problem is None:
-        try:
-            ckpt.poll()
-        except CheckpointError as err:
-            problem = str(err)
+        problem = _check(ckpt.poll, ckpt)
     if every_process and jax.process_count() > 1:
         failed = multihost_utils.process_allgather(np.int32(problem is not None))
         if failed.any() and problem is None:
@@ -474,10 +471,7 @@ class _Outputs:
 
 
 def _last_good(ckpt: Checkpointer) -> str:
-    try:
-        ckpt.wait()
-    except CheckpointError:
-        pass  # the previous durable step is what counts
+    _wait_and_check(ckpt)  # a save that failed leaves the previous durable step, which is what counts
     if ckpt.durable is None:
         return f"No checkpoint was saved yet in {ckpt.directory}"
     return f"The last good checkpoint is step {ckpt.durable} in {ckpt.directory}"
@@ -715,10 +709,19 @@ class _Records:
 
 def _wait_and_check(ckpt: Checkpointer) -> str | None:
     """Waits for the background save; why it failed, or None."""
+    return _check(ckpt.wait, ckpt)
+
+
+def _check(check, ckpt: Checkpointer) -> str | None:
+    """Why `check` (a checkpoint's poll or wait) found the storage failing, or None: whatever it raises
+    becomes the reason, so that with several processes a failure one of them saw is agreed on, not
+    raised past the others (which would wait for it in the next collective)."""
     try:
-        ckpt.wait()
+        check()
     except CheckpointError as err:
         return str(err)
+    except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way
+        return f"checking the checkpoints in {ckpt.directory} failed ({first_line(err)})"
     return None
 
 

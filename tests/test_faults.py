@@ -167,6 +167,42 @@ def test_background_save_failure_stops_the_run_with_one_line(tmp_path, builtin_d
     assert {r["step"]: r["loss"] for r in read_metrics(str(workdir))} == reference["loss"]
 
 
+def vanished(*args, **kwargs):
+    raise FileNotFoundError(2, "No such file or directory", "checkpoints/12")
+
+
+def test_only_process_0_reads_or_removes_the_steps_no_longer_kept(tmp_path, monkeypatch):
+    """With several processes, process 0 removes the old steps after a save; another process that listed
+    the step folders then saw one vanish under its read (FileNotFoundError in CI's two-node SLURM job:
+    that process stopped alone and the other waited in the next collective until jax's shutdown timeout).
+    Here every listing fails so: the poll of another process reads nothing, removes nothing, and succeeds."""
+    import jax
+    import orbax.checkpoint as ocp
+    from deltares.training.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path), keep_last=1)
+    monkeypatch.setattr(ocp.utils, "checkpoint_steps", vanished)
+    monkeypatch.setattr(ckpt.manager, "reload", vanished)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    ckpt.pending = 12  # a save of step 12 that ended well on this process
+    ckpt.poll()
+    assert ckpt.durable == 12 and not ckpt.failed
+
+
+def test_any_failure_while_checking_the_checkpoints_is_a_reason_every_process_can_agree_on(tmp_path):
+    """What a check of the storage raises becomes the reason the run stops (shared with the other
+    processes), not an exception that ends this process alone."""
+    from deltares.train import _storage_problem, _wait_and_check
+    from deltares.training.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.poll = ckpt.wait = vanished
+    reason = (f"checking the checkpoints in {tmp_path}/checkpoints failed "
+              "(FileNotFoundError: [Errno 2] No such file or directory: 'checkpoints/12')")
+    assert _storage_problem(ckpt, None, every_process=True) == reason
+    assert _wait_and_check(ckpt) == reason
+
+
 @pytest.mark.parametrize("name,kind", [("checkpoints", "file"), ("metrics.jsonl", "dir")])
 def test_run_directory_of_the_wrong_shape_is_refused_before_compiling(tmp_path, builtin_dataset, name, kind,
                                                                        monkeypatch):

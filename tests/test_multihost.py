@@ -9,7 +9,9 @@ One scenario, run once for the module: the single-process reference runs STEPS s
 2-process run gets SIGTERM on process 1 only after its first steps, so that both processes
 save one agreed step (jax's preemption sync point) and exit 75 (the job's `--stopped_exit_code`, on
 which it requeues itself); the same command restarted on
-both resumes from that checkpoint to STEPS (a requeued job). `tests/multihost_worker.py` records
+both resumes from that checkpoint to STEPS (a requeued job), setting aside a damaged newer step
+planted before it, and saves every step keeping one (process 0 removes a step while process 1 goes on).
+A third launch has one process's save fail: both stop at once. `tests/multihost_worker.py` records
 each process's batches and saves. Every wait has a deadline: a hung collective fails the test.
 The whole job (the signal before the time limit, the requeue) runs on a real SLURM in
 tests/test_slurm.py. The single process joins a cluster of one named by `JAX_COORDINATOR_ADDRESS`,
@@ -20,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +48,8 @@ FAIL_SAVE = 8  # the step whose save fails on process 1 only (the step before it
 STEP_SLEEP = 0.1  # seconds per step (worker hook): the notice reaches the sync point well before STEPS
 LOSS_ATOL = 1e-5  # float32: gloo sums in another order than one process does (measured: up to 4.8e-7)
 TIMEOUT = 240  # seconds for one run of all processes
+DAMAGED = 1000  # a damaged step planted before the restart
+KEEP_ONE = ["--config.train.checkpoint_every=1", "--config.train.keep_last=1"]
 OVERRIDES = [
     f"--config.data.seq_len={SEQ}", f"--config.train.global_batch={BATCH}", f"--config.train.steps={STEPS}",
     "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.tensor=1",
@@ -187,7 +192,13 @@ def scenario(tmp_path_factory):
         first_records = first.finish(exit_code=75)
         checkpoints_after_first = checkpoint_steps(first.workdir)
         metrics_after_first = read_metrics(first.workdir)
-        second = Run(dataset, tmp / "multi", tmp / "second-out", PROCESSES, tmp)
+        # a damaged step newer than the saved one, which both processes must agree to set aside
+        (saved,) = checkpoints_after_first
+        damaged = os.path.join(first.workdir, "checkpoints", str(DAMAGED))
+        shutil.copytree(os.path.join(first.workdir, "checkpoints", str(saved)), damaged)
+        os.remove(os.path.join(damaged, "state", "_METADATA"))
+        # a save every step, the one before it removed: process 0 removes steps while process 1 checks its own
+        second = Run(dataset, tmp / "multi", tmp / "second-out", PROCESSES, tmp, KEEP_ONE)
         runs.append(second)
         second_records = second.finish()
         single_records = single.finish()
@@ -312,11 +323,19 @@ def test_routing_statistics_equal_the_single_process_run(scenario):
 
 
 def test_restart_restores_the_checkpoint_on_both_processes_and_finishes(scenario):
+    """... saving every step (KEEP_ONE): process 0 removes each older step while process 1 goes on."""
     step = saved_step(scenario)
     for r in scenario["second_records"]:
-        assert r["saves"] == [STEPS] and r["steps"] == STEPS - step
-    assert checkpoint_steps(scenario["second"].workdir) == [step, STEPS]
+        assert r["saves"] == list(range(step + 1, STEPS + 1)) and r["steps"] == STEPS - step
+    assert checkpoint_steps(scenario["second"].workdir) == [STEPS]
     assert f"resumed {scenario['second'].workdir} from step {step}" in scenario["second"].text(0, "stderr")
+
+
+def test_a_damaged_newest_step_is_set_aside_once_and_both_processes_resume_before_it(scenario):
+    workdir = scenario["second"].workdir
+    assert os.listdir(os.path.join(workdir, "checkpoints_aside")) == [str(DAMAGED)]
+    assert "state/_METADATA is missing" in open(os.path.join(workdir, "checkpoints_aside", str(DAMAGED), "REASON")).read()
+    assert f"warning: skipped checkpoint step {DAMAGED} of {workdir}/checkpoints" in scenario["second"].text(0, "stderr")
 
 
 def test_a_save_that_fails_on_one_process_stops_every_process_at_once(scenario):

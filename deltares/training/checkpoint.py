@@ -32,6 +32,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 from deltares.data import paths
 from deltares.nn.model import Transformer
@@ -171,6 +172,12 @@ def usable_step(directory: str, need: str, log: Callable[[str], None] = _warn,
     return None
 
 
+def _together(name: str) -> None:
+    """With several processes, waits until every process has come here (they call it in the same order)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 class Checkpointer:
     """Saves the steps of one run directory and finds the step to resume from (see the module docstring).
     Its files are read and written through `through` (the run directory held open, see
@@ -204,10 +211,12 @@ class Checkpointer:
         name, n = str(step), 1
         while (aside / name).exists():
             name, n = f"{step}-{n}", n + 1
+        _together(f"set aside {step}")  # every process has read the steps before process 0 moves one
         if jax.process_index() == 0:
             aside.mkdir(parents=True, exist_ok=True)
             epath.Path(self.step_dir(step)).rename(aside / name)
             (aside / name / "REASON").write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}\n")
+        _together(f"set aside {step}: moved")
         self.manager.reload()
         return paths.join(self.workdir, ASIDE, name)
 
@@ -287,12 +296,15 @@ class Checkpointer:
         return f"the previous checkpoint, step {self.durable}, is intact"
 
     def _retain(self) -> None:
+        """Removes the steps no longer kept: on process 0 alone, and no other process reads the step folders
+        then (a listing on another process of the folder being removed fails: it vanishes under the read)."""
+        if jax.process_index() != 0:
+            return
         steps = self.steps()
         keep = set(steps[-self.keep_last:]) | {s for s in steps if self.keep_every and s % self.keep_every == 0}
-        if jax.process_index() == 0:
-            for step in steps:
-                if step not in keep:
-                    epath.Path(self.step_dir(step)).rmtree(missing_ok=True)
+        for step in steps:
+            if step not in keep:
+                epath.Path(self.step_dir(step)).rmtree(missing_ok=True)
         self.manager.reload()
 
     def check_params(self, step: int, abstract_params) -> None:

@@ -153,11 +153,14 @@ print(json.dumps(out))
 
 
 @needs_libtpu
+@pytest.mark.skipif(tuple(map(int, __import__("jax").__version__.split(".")[:2])) < (0, 11),
+                    reason="run on jax 0.12 (.ci/run's Python 3.12 stage), where the docs' TPU estimates are made")
 def test_estimate_from_shallow_compiles_matches_the_full_unroll():
     """debug at 6 layers in delta mode, remat full: the least-squares fit in layers and slot reads
     through 2, 3, 4 and 5 layers (the per-layer cost grows with the 2L + 1 slots) agrees with the
-    full unrolled compile within 2% on jax 0.10 and 0.12. (Through 2, 3 and 4 layers it misses by
-    3.1% on jax 0.10.) Baseline's line is `extrapolate`."""
+    full unrolled compile within 2% (measured within 2% on jax 0.10 too; through 2, 3 and 4 layers it
+    missed by 3.1% there). Baseline's line is `extrapolate`. On jax 0.12 only: a full TPU compile of
+    minutes, checked where the published TPU estimates come from."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", ESTIMATE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)

@@ -25,7 +25,7 @@ TINY_HF = os.path.join(ROOT, "tests", "fixtures", "qwen3_tiny")  # a tiny Qwen3 
 
 # Test files by how long they take on 2 cores, longest first (their tests' seconds summed, both workers
 # busy, 2026-12-06: 1355 s for the first, about 80 s for the last); the rest follow in name order. With
-# `-n 2` each file runs whole on one worker (`pytest_xdist_make_scheduler`), in this order: a file's module
+# `-n N` each file runs whole on one worker (`pytest_xdist_make_scheduler`), in this order: a file's module
 # fixtures (a subprocess of minutes in several) run once, and no long file starts last.
 LONGEST_FIRST = ("test_documented_commands.py", "test_aot.py", "test_train.py", "test_faults.py", "test_generate.py",
                  "test_configs.py", "test_two_phase.py", "test_aot_gpu.py", "test_model.py", "test_sharding.py",

@@ -434,7 +434,7 @@ def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process
     if problem is None and lock is not None:
         problem = lock.problem()  # first: a moved directory also fails the saves
     if problem is None:
-        problem = _check(ckpt.poll, ckpt)
+        problem = _save_problem(ckpt)
     if every_process and jax.process_count() > 1:
         failed = multihost_utils.process_allgather(np.int32(problem is not None))
         if failed.any() and problem is None:
@@ -471,7 +471,7 @@ class _Outputs:
 
 
 def _last_good(ckpt: Checkpointer) -> str:
-    _wait_and_check(ckpt)  # a save that failed leaves the previous durable step, which is what counts
+    _save_problem(ckpt, wait=True)  # a save that failed leaves the previous durable step, which is what counts
     if ckpt.durable is None:
         return f"No checkpoint was saved yet in {ckpt.directory}"
     return f"The last good checkpoint is step {ckpt.durable} in {ckpt.directory}"
@@ -528,7 +528,7 @@ class _TrainLoop:
 
     def stop_for_storage(self, problem: str):
         """Stops the run for `problem`, or for what happened to the run directory where that is the cause."""
-        _wait_and_check(self.ckpt)  # a save in flight ends (or fails, quietly) before the run does
+        _save_problem(self.ckpt, wait=True)  # a save in flight ends (or fails, quietly) before the run does
         problem = self._run_directory_problem(problem)
         try:
             self.writer.truncate_after(self.ckpt.durable)  # no record of a step that no checkpoint holds
@@ -593,7 +593,7 @@ class _TrainLoop:
         """Stops the run if a write failed (`wait`: the last save, after waiting for it) or the storage is
         unfit; with several processes, all stop if any one saw a failure (a collective: every process calls
         it at the same steps)."""
-        problem = self.problem or (_wait_and_check(self.ckpt) if wait else None)
+        problem = self.problem or (_save_problem(self.ckpt, wait=True) if wait else None)
         if problem := _storage_problem(self.ckpt, self.lock, not self.single, problem):
             self.stop_for_storage(problem)
 
@@ -707,17 +707,12 @@ class _Records:
         return record, evaluation
 
 
-def _wait_and_check(ckpt: Checkpointer) -> str | None:
-    """Waits for the background save; why it failed, or None."""
-    return _check(ckpt.wait, ckpt)
-
-
-def _check(check, ckpt: Checkpointer) -> str | None:
-    """Why `check` (a checkpoint's poll or wait) found the storage failing, or None: whatever it raises
-    becomes the reason, so that with several processes a failure one of them saw is agreed on, not
-    raised past the others (which would wait for it in the next collective)."""
+def _save_problem(ckpt: Checkpointer, wait: bool = False) -> str | None:
+    """Why the background save failed, or None (`wait`: after waiting for it; else a cheap poll). Whatever
+    the check raises becomes the reason, so that with several processes a failure one of them saw is
+    agreed on, not raised past the others (which would wait for it in the next collective)."""
     try:
-        check()
+        ckpt.wait() if wait else ckpt.poll()
     except CheckpointError as err:
         return str(err)
     except Exception as err:  # noqa: BLE001 - any storage failure ends the run the same way

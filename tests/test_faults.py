@@ -192,7 +192,7 @@ def test_only_process_0_reads_or_removes_the_steps_no_longer_kept(tmp_path, monk
 def test_any_failure_while_checking_the_checkpoints_is_a_reason_every_process_can_agree_on(tmp_path):
     """What a check of the storage raises becomes the reason the run stops (shared with the other
     processes), not an exception that ends this process alone."""
-    from deltares.train import _storage_problem, _wait_and_check
+    from deltares.train import _save_problem, _storage_problem
     from deltares.training.checkpoint import Checkpointer
 
     ckpt = Checkpointer(str(tmp_path))
@@ -200,7 +200,7 @@ def test_any_failure_while_checking_the_checkpoints_is_a_reason_every_process_ca
     reason = (f"checking the checkpoints in {tmp_path}/checkpoints failed "
               "(FileNotFoundError: [Errno 2] No such file or directory: 'checkpoints/12')")
     assert _storage_problem(ckpt, None, every_process=True) == reason
-    assert _wait_and_check(ckpt) == reason
+    assert _save_problem(ckpt, wait=True) == reason
 
 
 @pytest.mark.parametrize("name,kind", [("checkpoints", "file"), ("metrics.jsonl", "dir")])

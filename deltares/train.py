@@ -428,7 +428,7 @@ def first_line(err: BaseException) -> str:
 
 def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process: bool,
                      problem: str | None = None) -> str | None:
-    """Why the run cannot go on storing its work (`problem`, a failure this process already saw; a
+    """Why the run cannot go on (`problem`, a failure this process already saw: a data read, a write; a
     background save failed; the run directory's lock was taken over), or None. With several processes,
     `every_process` agrees on it (a collective: call it at the same steps on all)."""
     if problem is None and lock is not None:
@@ -438,7 +438,7 @@ def _storage_problem(ckpt: Checkpointer, lock: WorkdirLock | None, every_process
     if every_process and jax.process_count() > 1:
         failed = multihost_utils.process_allgather(np.int32(problem is not None))
         if failed.any() and problem is None:
-            problem = "another process of this run could not store its work (its error says why)"
+            problem = "another process of this run could not read its data or store its work (its error says why)"
     return problem
 
 
@@ -511,7 +511,8 @@ class _TrainLoop:
         self.outputs = _Outputs(cfg.model.vocab_size, run.source.path)
         self.single = jax.process_count() == 1
         self.last_eval: dict = {}
-        self.problem: str | None = None  # a storage failure this process saw, not yet shared (`fail`)
+        self.problem: str | None = None  # a read or write failure this process saw, not yet shared (`fail`)
+        self.blank = None  # this process's rows after its data read failed, with several processes (`next_rows`)
         self.stop = StopRequest()
         self.bar = tqdm(total=t.steps, initial=self.start, unit="step", desc="train", dynamic_ncols=True,
                         file=sys.stderr, disable=jax.process_index() != 0)
@@ -526,8 +527,9 @@ class _TrainLoop:
         self.profiler.stop()
         self.writer.close()
 
-    def stop_for_storage(self, problem: str):
-        """Stops the run for `problem`, or for what happened to the run directory where that is the cause."""
+    def stop_run(self, problem: str):
+        """Stops the run for `problem`, or for what happened to the run directory where that is the cause;
+        the metrics keep no record of a step that no checkpoint holds."""
         _save_problem(self.ckpt, wait=True)  # a save in flight ends (or fails, quietly) before the run does
         problem = self._run_directory_problem(problem)
         try:
@@ -560,11 +562,11 @@ class _TrainLoop:
                 self.fail(f"saving step {step} failed ({first_line(err)}); {ckpt.previous()} in {ckpt.directory}")
 
     def fail(self, problem: str) -> None:
-        """A storage failure this process saw. One process stops for it at once; several stop together at
+        """A read or write failure this process saw. One process stops for it at once; several stop together at
         the next `check_storage`, where every process learns of it (one that stopped alone would leave the
         others waiting in the next collective until jax's shutdown timeout aborts them, minutes later)."""
         if self.single:
-            self.stop_for_storage(problem)
+            self.stop_run(problem)
         self.problem = self.problem or problem
 
     def log(self, step: int, batch, step_time: float, save_now: bool) -> None:
@@ -589,13 +591,47 @@ class _TrainLoop:
                       f"{_last_good(self.ckpt)}")
         self.bar.set_postfix(loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
 
+    def next_rows(self, step: int):
+        """This process's rows of the batch of step `step + 1`. A read that fails (a bucket that stops
+        answering, a file gone bad) stops the run. One process saves the step it stands at first (the data
+        position saved is the failed batch's, which a resumed run reads). Several stop together at the next
+        check, where every process learns why; until then this one steps on blank rows, so that no other
+        waits for it in the step's collectives, and nothing from those steps is saved: they resume from
+        their last checkpoint (to save the step they stood at, every step would have to wait for all hosts)."""
+        if self.blank is not None:
+            return self.blank
+        try:
+            return next(self.run_data.train)
+        except Exception as err:  # noqa: BLE001 - whatever the read raises ends the run the same way
+            problem = f"reading the training data for step {step + 1} failed ({first_line(err)})"
+        if self.single:
+            self.stop_run(f"{problem}. {self.save_before_stopping(step)}")
+        self.fail(f"{problem}. {_last_good(self.ckpt)}")
+        t = self.cfg.train
+        self.blank = np.zeros((t.global_batch // jax.process_count(), self.cfg.data.seq_len + 1), np.int32)
+        return self.blank
+
+    def save_before_stopping(self, step: int) -> str:
+        """Saves `step` (one process, its parameters finite) unless it is saved or the run's first; where
+        the run's work is kept."""
+        ckpt = self.ckpt
+        _save_problem(ckpt, wait=True)
+        if step > self.start and ckpt.durable != step:
+            with self.aside:
+                finite = bool(self.all_finite(self.state["params"]))
+            if finite:
+                self.save(step)
+                self.check_storage(wait=True)
+                return f"Saved step {step} to {ckpt.directory}; rerun the same command to resume"
+        return _last_good(ckpt)
+
     def check_storage(self, wait: bool = False) -> None:
         """Stops the run if a write failed (`wait`: the last save, after waiting for it) or the storage is
         unfit; with several processes, all stop if any one saw a failure (a collective: every process calls
         it at the same steps)."""
         problem = self.problem or (_save_problem(self.ckpt, wait=True) if wait else None)
         if problem := _storage_problem(self.ckpt, self.lock, not self.single, problem):
-            self.stop_for_storage(problem)
+            self.stop_run(problem)
 
     def run(self) -> dict:
         t, start = self.cfg.train, self.start
@@ -604,7 +640,7 @@ class _TrainLoop:
         step, timed, window_start = start, 0, time.perf_counter()
         while step < t.steps:
             self.profiler.before(step + 1)
-            batch = shard_batch(next(self.run_data.train), self.training.batch_sharding)
+            batch = shard_batch(self.next_rows(step), self.training.batch_sharding)
             self.state, out = self.training.step(self.state, batch)
             step += 1
             self.bar.update(1)

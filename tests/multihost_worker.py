@@ -8,7 +8,8 @@ every checkpoint save; with them the process's index and count, and whether it j
 `$DELTARES_TEST_STEP_SLEEP` seconds of sleep per step keep the run going long enough for a signal
 to land mid-run. `$DELTARES_TEST_FAIL_SAVE=process:step` makes that process's save of that step fail
 as a background write that ran out of disk space does (orbax's report of it, seen by that process
-alone). In a SLURM job (tests/test_slurm.py) `{process}` and `{restart}` in the record's
+alone). `$DELTARES_TEST_FAIL_READ=process:step` makes that process's read of that step's batch fail as
+a bucket that stops answering does (a DataError saying `$DELTARES_TEST_READ_ERROR`). In a SLURM job (tests/test_slurm.py) `{process}` and `{restart}` in the record's
 path become the task's `SLURM_PROCID` and the job's `SLURM_RESTART_COUNT`, the sleep may be a list
 with one value per restart (the last one for later restarts), and the record also holds what SLURM
 gave the task: its CPUs (the process's CPU affinity) and SLURM's CPU and memory variables.
@@ -37,6 +38,8 @@ SLEEPS = [float(s) for s in os.environ.get("DELTARES_TEST_STEP_SLEEP", "0").spli
 SLEEP = SLEEPS[min(RESTART, len(SLEEPS) - 1)]
 SLURM = ("SLURM_CPUS_ON_NODE", "SLURM_JOB_CPUS_PER_NODE", "SLURM_MEM_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST")
 FAIL_SAVE = os.environ.get("DELTARES_TEST_FAIL_SAVE")
+FAIL_READ = os.environ.get("DELTARES_TEST_FAIL_READ")
+READ_ERROR = os.environ.get("DELTARES_TEST_READ_ERROR")
 rows, saves = [], []
 
 
@@ -50,6 +53,8 @@ class RecordingIterator:
         return self
 
     def __next__(self):
+        if FAIL_READ == f"{jax.process_index()}:{len(rows) + 1}":
+            raise dataset.DataError(READ_ERROR)
         batch = next(self.inner)
         rows.append(np.asarray(batch).copy())
         time.sleep(SLEEP)

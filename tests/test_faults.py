@@ -167,6 +167,43 @@ def test_background_save_failure_stops_the_run_with_one_line(tmp_path, builtin_d
     assert {r["step"]: r["loss"] for r in read_metrics(str(workdir))} == reference["loss"]
 
 
+BUCKET_DOWN = "reading the dataset failed: gs://bucket/data/train-00003.bin: 503 Service Unavailable"
+
+
+@pytest.mark.parametrize("fail_at", [7, 1])
+def test_a_data_read_that_fails_saves_the_step_the_run_stands_at_and_it_resumes_exactly(
+        fail_at, tmp_path, builtin_dataset, reference, monkeypatch):
+    """The read of step `fail_at`'s batch fails inside the data pipeline (as a bucket's read does): the
+    run saves the step it stands at (6, between the saves of 4 and 8; none before the first step) and
+    stops with one line; the same command then reads that batch and trains on to the reference's losses."""
+    from deltares.data.dataset import Windows
+
+    read, calls = Windows.batch, []
+
+    def flaky(self, indices):
+        calls.append(len(indices))
+        if len(calls) == 1 + fail_at:  # the validation batches first, then the pipeline's in order (one thread)
+            raise DataError(BUCKET_DOWN)
+        return read(self, indices)
+
+    monkeypatch.setattr(Windows, "batch", flaky)
+    workdir = str(tmp_path / "run")
+    cfg = config_with(builtin_dataset, **RESUME_OVERRIDES)
+    with pytest.raises(TrainError) as err:
+        train(cfg, workdir)
+    kept = (f"Saved step {fail_at - 1} to {workdir}/checkpoints; rerun the same command to resume" if fail_at > 1
+            else f"No checkpoint was saved yet in {workdir}/checkpoints")
+    assert str(err.value) == f"reading the training data for step {fail_at} failed (DataError: {BUCKET_DOWN}). {kept}"
+    if fail_at > 1:
+        assert checkpoint_steps(workdir) == [4, fail_at - 1]
+        assert [r["step"] for r in read_metrics(workdir)] == list(range(1, fail_at))
+    else:  # nothing was trained: no checkpoint, no metrics
+        assert checkpoint_steps(workdir) == [] and not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    monkeypatch.setattr(Windows, "batch", read)
+    train(cfg, workdir)
+    assert {r["step"]: r["loss"] for r in read_metrics(workdir)} == reference["loss"]
+
+
 def vanished(*args, **kwargs):
     raise FileNotFoundError(2, "No such file or directory", "checkpoints/12")
 

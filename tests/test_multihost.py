@@ -11,7 +11,7 @@ save one agreed step (jax's preemption sync point) and exit 75 (the job's `--sto
 which it requeues itself); the same command restarted on
 both resumes from that checkpoint to STEPS (a requeued job), setting aside a damaged newer step
 planted before it, and saves every step keeping one (process 0 removes a step while process 1 goes on).
-A third launch has one process's save fail: both stop at once. `tests/multihost_worker.py` records
+A third launch has one process's save fail, a fourth one process's read of a batch: both stop at once. `tests/multihost_worker.py` records
 each process's batches and saves. Every wait has a deadline: a hung collective fails the test.
 The whole job (the signal before the time limit, the requeue) runs on a real SLURM in
 tests/test_slurm.py. The single process joins a cluster of one named by `JAX_COORDINATOR_ADDRESS`,
@@ -45,10 +45,13 @@ SLURM = os.path.join(ROOT, "launch", "slurm.sh")
 STEPS, SEQ, BATCH, PROCESSES, STATS_EVERY = 20, 32, 8, 2, 5
 SIGNAL_AFTER = 2  # steps process 0 has logged when process 1 gets SIGTERM
 FAIL_SAVE = 8  # the step whose save fails on process 1 only (the step before it saved well)
+FAIL_READ = 6  # the step whose batch process 1 alone cannot read (saves every 4 steps)
+READ_ERROR = "reading the dataset failed: gs://bucket/data/train-00003.bin: 503 Service Unavailable"
 STEP_SLEEP = 0.1  # seconds per step (worker hook): the notice reaches the sync point well before STEPS
 LOSS_ATOL = 1e-5  # float32: gloo sums in another order than one process does (measured: up to 4.8e-7)
 TIMEOUT = 240  # seconds for one run of all processes
 DAMAGED = 1000  # a damaged step planted before the restart
+ANOTHER = "error: another process of this run could not read its data or store its work (its error says why)"
 KEEP_ONE = ["--config.train.checkpoint_every=1", "--config.train.keep_last=1"]
 OVERRIDES = [
     f"--config.data.seq_len={SEQ}", f"--config.train.global_batch={BATCH}", f"--config.train.steps={STEPS}",
@@ -186,7 +189,11 @@ def scenario(tmp_path_factory):
         # process 1 alone sees its save of FAIL_SAVE fail (the disk full where it writes)
         failing = Run(dataset, tmp / "failing", tmp / "failing-out", PROCESSES, tmp,
                       [f"--config.train.checkpoint_every={FAIL_SAVE // 2}"], DELTARES_TEST_FAIL_SAVE=f"1:{FAIL_SAVE}")
-        runs += [single, first, failing]
+        # process 1 alone cannot read its rows of step FAIL_READ (a bucket that stops answering)
+        unread = Run(dataset, tmp / "unread", tmp / "unread-out", PROCESSES, tmp,
+                     ["--config.train.checkpoint_every=4"], DELTARES_TEST_FAIL_READ=f"1:{FAIL_READ}",
+                     DELTARES_TEST_READ_ERROR=READ_ERROR)
+        runs += [single, first, failing, unread]
         first.wait_for_logged_steps(SIGNAL_AFTER)
         first.procs[1].send_signal(signal.SIGTERM)
         first_records = first.finish(exit_code=75)
@@ -203,6 +210,7 @@ def scenario(tmp_path_factory):
         second_records = second.finish()
         single_records = single.finish()
         failing_records = failing.finish(exit_code=1)
+        unread_records = unread.finish(exit_code=1)
     finally:
         for run in runs:
             run.kill()
@@ -211,7 +219,7 @@ def scenario(tmp_path_factory):
         dataset=TokenData(str(dataset)), single=single, first=first, second=second,
         ref=single_records[0], first_records=first_records, second_records=second_records,
         checkpoints_after_first=checkpoints_after_first, metrics_after_first=metrics_after_first,
-        failing=failing, failing_records=failing_records,
+        failing=failing, failing_records=failing_records, unread=unread, unread_records=unread_records,
     )
 
 
@@ -345,10 +353,26 @@ def test_a_save_that_fails_on_one_process_stops_every_process_at_once(scenario):
     errors = [[line for line in run.text(i, "stderr").splitlines() if line.startswith("error:")] for i in range(PROCESSES)]
     assert errors[1] == [f"error: saving step {FAIL_SAVE} failed (OSError: [Errno 28] No space left on device); "
                          f"the previous checkpoint, step {FAIL_SAVE // 2}, is intact in {run.workdir}/checkpoints"], errors
-    assert errors[0] == ["error: another process of this run could not store its work (its error says why)"], errors
+    assert errors[0] == [ANOTHER], errors
     assert [r["saves"] for r in records] == [[FAIL_SAVE // 2, FAIL_SAVE]] * PROCESSES
     # both stopped at the first agreed check after the failed save, the next step's
     assert [r["steps"] for r in records] == [FAIL_SAVE + 1] * PROCESSES
+    assert "Traceback" not in run.text(0, "stderr") + run.text(1, "stderr")
+
+
+def test_a_read_that_fails_on_one_process_stops_every_process_at_the_next_check(scenario):
+    """The process whose read failed steps on blank rows to the next agreed check (the same step: every
+    step is logged), so that the other is not left waiting in the step's collectives; both stop there,
+    before any save of a step trained on those rows, and keep no metrics record past the last checkpoint."""
+    run, records = scenario["unread"], scenario["unread_records"]
+    errors = [[line for line in run.text(i, "stderr").splitlines() if line.startswith("error:")] for i in range(PROCESSES)]
+    assert errors[1] == [f"error: reading the training data for step {FAIL_READ} failed (DataError: {READ_ERROR}). "
+                         f"The last good checkpoint is step 4 in {run.workdir}/checkpoints"], errors
+    assert errors[0] == [ANOTHER], errors
+    assert [r["steps"] for r in records] == [FAIL_READ, FAIL_READ - 1]  # batches read: process 1 missed one
+    assert [r["saves"] for r in records] == [[4]] * PROCESSES
+    assert checkpoint_steps(run.workdir) == [4]
+    assert [r["step"] for r in read_metrics(run.workdir)] == [1, 2, 3, 4]
     assert "Traceback" not in run.text(0, "stderr") + run.text(1, "stderr")
 
 

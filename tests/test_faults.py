@@ -170,23 +170,33 @@ def test_background_save_failure_stops_the_run_with_one_line(tmp_path, builtin_d
 BUCKET_DOWN = "reading the dataset failed: gs://bucket/data/train-00003.bin: 503 Service Unavailable"
 
 
+def before_batch(monkeypatch, at: int, action) -> None:
+    """Runs `action` as the training pipeline reads the batch of step `at` (the validation batches are
+    read first, then the pipeline's in order: one thread)."""
+    from deltares.data.dataset import Windows
+
+    read, calls = Windows.batch, []
+
+    def batch(self, indices):
+        calls.append(1)
+        if len(calls) == 1 + at:
+            action()
+        return read(self, indices)
+
+    monkeypatch.setattr(Windows, "batch", batch)
+
+
+def bucket_down():
+    raise DataError(BUCKET_DOWN)
+
+
 @pytest.mark.parametrize("fail_at", [7, 1])
 def test_a_data_read_that_fails_saves_the_step_the_run_stands_at_and_it_resumes_exactly(
         fail_at, tmp_path, builtin_dataset, reference, monkeypatch):
     """The read of step `fail_at`'s batch fails inside the data pipeline (as a bucket's read does): the
     run saves the step it stands at (6, between the saves of 4 and 8; none before the first step) and
     stops with one line; the same command then reads that batch and trains on to the reference's losses."""
-    from deltares.data.dataset import Windows
-
-    read, calls = Windows.batch, []
-
-    def flaky(self, indices):
-        calls.append(len(indices))
-        if len(calls) == 1 + fail_at:  # the validation batches first, then the pipeline's in order (one thread)
-            raise DataError(BUCKET_DOWN)
-        return read(self, indices)
-
-    monkeypatch.setattr(Windows, "batch", flaky)
+    before_batch(monkeypatch, fail_at, bucket_down)
     workdir = str(tmp_path / "run")
     cfg = config_with(builtin_dataset, **RESUME_OVERRIDES)
     with pytest.raises(TrainError) as err:
@@ -199,9 +209,32 @@ def test_a_data_read_that_fails_saves_the_step_the_run_stands_at_and_it_resumes_
         assert [r["step"] for r in read_metrics(workdir)] == list(range(1, fail_at))
     else:  # nothing was trained: no checkpoint, no metrics
         assert checkpoint_steps(workdir) == [] and not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-    monkeypatch.setattr(Windows, "batch", read)
+    monkeypatch.undo()
     train(cfg, workdir)
     assert {r["step"]: r["loss"] for r in read_metrics(workdir)} == reference["loss"]
+
+
+def test_a_token_file_cut_short_while_the_run_reads_it_stops_the_run_with_its_step_saved(
+        tmp_path, builtin_dataset, monkeypatch):
+    """The training split's files are cut to nothing as step 5's batch is read (read through a memory
+    map, this ended the process with SIGBUS): one line naming the file, step 4 saved."""
+    dataset = str(tmp_path / "data")
+    shutil.copytree(builtin_dataset, dataset)
+    train_files = [os.path.join(dataset, name + ".bin") for name, _ in TokenData(dataset).meta["splits"]["train"]["shards"]]
+
+    def cut():
+        for path in train_files:
+            os.truncate(path, 0)
+
+    before_batch(monkeypatch, 5, cut)
+    workdir = str(tmp_path / "run")
+    with pytest.raises(TrainError) as err:
+        train(config_with(dataset, **{**RESUME_OVERRIDES, "checkpoint_every": 3}), workdir)
+    assert str(err.value).startswith("reading the training data for step 5 failed (DataError: ")
+    assert "is cut short (changed while it was read?)" in str(err.value) and str(err.value).endswith(
+        f"Saved step 4 to {workdir}/checkpoints; rerun the same command to resume"), err.value
+    assert any(path in str(err.value) for path in train_files), err.value
+    assert checkpoint_steps(workdir) == [3, 4]
 
 
 def vanished(*args, **kwargs):

@@ -3,9 +3,8 @@ every command replaces what it writes: beside it first, swapped in whole.
 
 Checkpoints go to the run directory through orbax (tensorstore writes buckets
 natively); metrics and TensorBoard events through `epath` and tensorboardX
-(`gcsfs` reaches GCS). Prepared token data is memory-mapped,
-so it is always local: the built-in corpus of a run on a bucket is prepared into
-a local cache, the same on every host.
+(`gcsfs` reaches GCS). The built-in corpus of a run on a bucket is prepared
+into a local cache, the same on every host.
 """
 
 from __future__ import annotations

@@ -8,14 +8,15 @@ Format 2 (`deltares.data.prepare`), in the dataset directory (a local path or a 
   the shards concatenated.
 
 Flat files rather than ArrayRecord: training reads fixed windows of `seq_len + 1` tokens at any
-offset, which a flat file serves with one read (a memory map on a disk, one byte-range request on a
-bucket), where a record format would read and decode whole records; document boundaries are the
+offset, which a flat file serves with one read (a positional read on a disk, one byte-range request
+on a bucket), where a record format would read and decode whole records; document boundaries are the
 end-of-text tokens. (Datasets prepared by earlier versions also hold a `<split>/<unit>.idx` of
 document ends, which nothing reads.) Format 1 (one `<split>.bin`) reads as a single shard.
 
-`Tokens` reads a split: memory-mapped shards on a disk, byte ranges of the shard objects on a
-bucket (`gs://` through gcsfs, `s3://` through s3fs), a batch of windows in one concurrent request
-(`Tokens.windows`).
+`Tokens` reads a split: positional reads of the open shard files on a disk (not a memory map: a file cut
+short under a map ends the process with SIGBUS; a read returns short, and the run stops cleanly), byte
+ranges of the shard objects on a bucket (`gs://` through gcsfs, `s3://` through s3fs), a batch of
+windows in one concurrent request (`Tokens.windows`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Tokens:
         self.ends = np.cumsum([s.tokens for s in self.shards], dtype=np.int64)
         self.remote = bool(self.shards) and paths.is_remote(self.shards[0].path)
         self._check_sizes()
-        self._maps = {} if not self.remote else None
+        self._files = {} if not self.remote else None  # shard index: open file descriptor
         self._fs = bucket_filesystem(self.shards[0].path)[0] if self.remote else None
 
     def _check_sizes(self) -> None:
@@ -70,10 +71,30 @@ class Tokens:
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
 
-    def _map(self, i: int) -> np.ndarray:
-        if i not in self._maps:
-            self._maps[i] = np.memmap(self.shards[i].path, dtype=self.dtype, mode="r")
-        return self._maps[i]
+    def _read_file(self, i: int, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of local shard `i`; DataError if the file no longer holds them."""
+        if i not in self._files:
+            try:
+                self._files[i] = os.open(self.shards[i].path, os.O_RDONLY)
+            except OSError as err:
+                raise DataError(f"cannot read {self.shards[i].path}: {err.strerror}") from None
+        size = self.dtype.itemsize
+        out = np.empty(stop - start, self.dtype)
+        view, done = memoryview(out).cast("B"), 0
+        while done < len(view):
+            try:
+                n = os.preadv(self._files[i], [view[done:]], start * size + done)
+            except OSError as err:
+                raise DataError(f"cannot read {self.shards[i].path}: {err.strerror}") from None
+            if n == 0:
+                raise DataError(f"{self.shards[i].path} is cut short (changed while it was read?): it ends before "
+                                f"token {start + done // size} of the {self.shards[i].tokens} meta.json records")
+            done += n
+        return out
+
+    def __del__(self):
+        for fd in (getattr(self, "_files", None) or {}).values():
+            os.close(fd)
 
     def _pieces(self, start: int, stop: int):
         """(shard index, start, stop within the shard) covering [start, stop) of the split."""
@@ -103,7 +124,7 @@ class Tokens:
         """The tokens of each [start, stop) range, read together (one concurrent request on a bucket)."""
         parts = [list(self._pieces(a, b)) for a, b in ranges]
         if not self.remote:
-            return [np.concatenate([self._map(i)[a:b] for i, a, b in p]) if p else np.zeros(0, self.dtype)
+            return [np.concatenate([self._read_file(i, a, b) for i, a, b in p]) if p else np.zeros(0, self.dtype)
                     for p in parts]
         flat = [piece for p in parts for piece in p]
         size = self.dtype.itemsize

@@ -94,7 +94,10 @@ class Tokens:
 
     def __del__(self):
         for fd in (getattr(self, "_files", None) or {}).values():
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:  # closed already (a copy of this object held the same descriptor)
+                pass
 
     def _pieces(self, start: int, stop: int):
         """(shard index, start, stop within the shard) covering [start, stop) of the split."""

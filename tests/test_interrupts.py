@@ -80,12 +80,12 @@ def handles_sigterm(pid: int) -> bool:
     return bool(caught & (1 << (signal.SIGTERM - 1)))
 
 
-def maps(pid: int, path: str) -> bool:
-    """Whether process `pid` has a file under `path` mapped into memory (a memmap of token data)."""
+def reads(pid: int, path: str) -> bool:
+    """Whether process `pid` holds a file under `path` open (token data: its reader keeps the files open)."""
+    root = os.path.realpath(path) + os.sep
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            return path in f.read()
-    except OSError:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(root) for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # the process ended, or a descriptor closed while listed
         return False
 
 
@@ -166,7 +166,7 @@ def test_sigterm_while_resuming_changes_nothing_and_the_rerun_resumes(stopped_in
 
 def test_sigint_while_eval_scores(stopped_in_compile, dataset):
     started = Started(module_cmd("deltares.eval", "--checkpoint", stopped_in_compile[0], "--data", dataset))
-    started.wait_for(lambda: maps(started.proc.pid, dataset), "the validation tokens")
+    started.wait_for(lambda: reads(started.proc.pid, dataset), "the validation tokens")
     assert_interrupted(started.interrupt(signal.SIGINT), signal.SIGINT)
 
 

@@ -3,7 +3,7 @@ phase (their first imports, the run directory locked, the first compile of the t
 checkpoint being read and scored) end each with one `error: interrupted ...` line and exit code 130
 or 143, or, inside the training loop, with the step it saved; never a traceback or a segmentation
 fault, and nothing left that a rerun would trip on. Each signal is sent once the process shows
-that it got there (its signal mask, a file, a line, a mapped file, a FIFO opened), not after a sleep.
+that it got there (its signal mask, a file, a line, a file it holds open, a FIFO opened), not after a sleep.
 
 Prepare's worker processes (issue 48): a Ctrl-C (SIGINT to the whole process group, as a terminal
 sends it) while they start or while they tokenize is the parent's one line, with no worker's traceback

@@ -604,9 +604,7 @@ class _TrainLoop:
             return next(self.run_data.train)
         except Exception as err:  # noqa: BLE001 - whatever the read raises ends the run the same way
             problem = f"reading the training data for step {step + 1} failed ({first_line(err)})"
-        if self.single:
-            self.stop_run(f"{problem}. {self.save_before_stopping(step)}")
-        self.fail(f"{problem}. {_last_good(self.ckpt)}")
+        self.fail(f"{problem}. {self.save_before_stopping(step) if self.single else _last_good(self.ckpt)}")
         t = self.cfg.train
         self.blank = np.zeros((t.global_batch // jax.process_count(), self.cfg.data.seq_len + 1), np.int32)
         return self.blank
@@ -615,7 +613,8 @@ class _TrainLoop:
         """Saves `step` (one process, its parameters finite) unless it is saved or the run's first; where
         the run's work is kept."""
         ckpt = self.ckpt
-        _save_problem(ckpt, wait=True)
+        if problem := _save_problem(ckpt, wait=True):  # the save in flight failed: its reason names the intact step
+            return problem
         if step > self.start and ckpt.durable != step:
             with self.aside:
                 finite = bool(self.all_finite(self.state["params"]))

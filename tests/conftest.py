@@ -41,9 +41,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     """A crashed worker stops the run (pytest-xdist's file scheduler would hand the crashing test to each
-    replacement worker in turn, and once hung waiting for one); `--max-worker-restart N` overrides."""
+    replacement worker in turn, and once hung waiting for one); `--max-worker-restart N` overrides. One
+    warning filter (below)."""
     if getattr(config.option, "maxworkerrestart", "unset") is None:
         config.option.maxworkerrestart = "0"
+    # A restore that fails on purpose (tests/test_eval.py) leaves orbax's read coroutines to the garbage
+    # collector, which finalizes them during whatever test runs later: dozens of warnings in its name.
+    config.addinivalue_line("filterwarnings", "ignore:Exception ignored in. <coroutine object "
+                            "_read_array_index_and_device_put:pytest.PytestUnraisableExceptionWarning")
 
 
 @pytest.hookimpl(optionalhook=True)

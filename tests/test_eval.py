@@ -9,7 +9,6 @@ reads it. The sharded load runs in a subprocess with 8 simulated CPU devices (th
 `__main__`), like tests/test_sharding.py.
 """
 
-import gc
 import gzip
 import importlib.util
 import json
@@ -200,7 +199,6 @@ def delete_optimizer_data(step_dir):
     return len(keys)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the failed restore's reads
 def test_params_only_restore_never_reads_the_optimizer_state(run, tmp_path):
     model, tx, *_ = build(run["cfg"])
     abstract = jax.eval_shape(make_init(model, tx, run["cfg"].data.seq_len), 0)
@@ -213,7 +211,6 @@ def test_params_only_restore_never_reads_the_optimizer_state(run, tmp_path):
     assert delete_optimizer_data(os.path.join(workdir, "checkpoints", str(STEP))) == n_opt
     with pytest.raises(Exception, match="opt_state|array index"):
         Checkpointer(workdir).restore(STEP, abstract)
-    gc.collect()  # orbax's abandoned reads end here, under this test's filter, not in a later test's warnings
     loaded = load_checkpoint(workdir)
     assert loaded.step == STEP and set(loaded.state) == {"params"}
     got, want = jax.tree_util.tree_flatten_with_path(loaded.state["params"])[0], jax.tree.leaves(run["state"]["params"])
